@@ -1,0 +1,184 @@
+"""Forgetting Attention speed: our Triton kernel vs PyTorch SDPA (cuDNN and flash backends, plain causal).
+
+One run on one GPU. bf16, B*T = 16k tokens, hidden 2048 (H = 2048 / D), D = 64 and 128, T = 2k..16k, plus a
+packed variable-length row and a GQA row. TFLOP/s count full causal FLOPs: forward 4*B*H*T^2*D/2, forward+backward
+3.5x that (the FlashAttention convention). Per-stage times of our kernel (forward, dK/dV, dQ) come from the
+profiler. Results go to benchmarks/results/attention_<device>_<date>.json and a table is printed.
+
+    python benchmarks/bench_attention.py [--quick] [--out DIR]
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from foxlm.kernels import forgetting_attention
+
+STAGES = {"_fwd_kernel": "fwd", "_bwd_kv_kernel": "dkdv", "_bwd_q_kernel": "dq", "_bwd_preprocess": "delta"}
+
+
+def causal_flops(B, H, T, D):
+    return 4 * B * H * T * T * D / 2
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")  # ms
+
+
+def time_fwd_bwd(forward, inputs, grad_out):
+    def fwd():
+        with torch.no_grad():
+            forward(*inputs)
+
+    def fwd_bwd():
+        out = forward(*inputs)
+        torch.autograd.grad(out, [t for t in inputs if t.requires_grad], grad_out)
+
+    return bench(fwd), bench(fwd_bwd)
+
+
+def ours(q, k, v, log_fgate, **kwargs):
+    return forgetting_attention(q, k, v, log_fgate, backend="triton", **kwargs)
+
+
+def reference(q, k, v, log_fgate, **kwargs):
+    return forgetting_attention(q, k, v, log_fgate, backend="reference", **kwargs)
+
+
+def sdpa(backend, enable_gqa=False):
+    def run(q, k, v, _log_fgate):
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+    return run
+
+
+def stage_times(inputs, grad_out, kwargs, iters=10):
+    """Mean device time per kernel over `iters` forward+backward passes, from the profiler."""
+    out = ours(*inputs, **kwargs)
+    torch.autograd.grad(out, inputs, grad_out)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            out = ours(*inputs, **kwargs)
+            torch.autograd.grad(out, inputs, grad_out)
+        torch.cuda.synchronize()
+    totals = {}
+    for event in prof.key_averages():
+        for name, stage in STAGES.items():
+            if name in event.key:
+                totals[stage] = totals.get(stage, 0.0) + event.device_time_total / iters / 1e3  # ms
+    return totals
+
+
+def make(B, T, Hq, Hkv, D, dtype=torch.bfloat16):
+    q = torch.randn(B, T, Hq, D, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(B, T, Hkv, D, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(B, T, Hkv, D, device="cuda", dtype=dtype, requires_grad=True)
+    log_fgate = F.logsigmoid(torch.randn(B, T, Hq, device="cuda") + 3.0).requires_grad_()
+    return (q, k, v, log_fgate), torch.randn(B, T, Hq, D, device="cuda", dtype=dtype)
+
+
+def measure(name, fn, inputs, grad_out, flops, kwargs=None):
+    kwargs = kwargs or {}
+    try:
+        fwd_ms, fwd_bwd_ms = time_fwd_bwd(lambda *a: fn(*a, **kwargs), inputs, grad_out)
+    except Exception as error:  # a backend that cannot run this shape (e.g. out of memory) is reported, not fatal
+        torch.cuda.empty_cache()
+        return {"impl": name, "error": f"{type(error).__name__}: {str(error)[:200]}"}
+    return {"impl": name, "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
+            "fwd_tflops": flops / fwd_ms / 1e9, "fwd_bwd_tflops": 3.5 * flops / fwd_bwd_ms / 1e9}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="only T = 4k and 16k")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    tokens, hidden = 16384, 2048
+    seqlens = [4096, 16384] if args.quick else [2048, 4096, 8192, 16384]
+    rows = []
+
+    def shape_row(label, B, T, Hq, Hkv, D, kwargs=None, flops=None, reference_fits=False, gqa=False):
+        inputs, grad_out = make(B, T, Hq, Hkv, D)
+        flops = flops or causal_flops(B, Hq, T, D)
+        entry = {"shape": label, "B": B, "T": T, "Hq": Hq, "Hkv": Hkv, "D": D, "results": []}
+        entry["results"].append(measure("foxlm-triton", ours, inputs, grad_out, flops, kwargs))
+        entry["stages_ms"] = stage_times(inputs, grad_out, kwargs or {})
+        if kwargs is None:
+            for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+                entry["results"].append(measure(name, sdpa(backend, gqa), inputs, grad_out, flops))
+        if reference_fits:
+            entry["results"].append(measure("foxlm-reference", reference, inputs, grad_out, flops, kwargs))
+        rows.append(entry)
+        print_row(entry, flops)
+
+    for D in (64, 128):
+        for T in seqlens:
+            shape_row(f"D{D} T{T // 1024}k", tokens // T, T, hidden // D, hidden // D, D, reference_fits=T <= 4096)
+    # Packed documents of uneven lengths (16k tokens), counted as the sum of their own causal FLOPs.
+    lengths = [512, 1536, 2048, 4096, 8192]
+    cu_seqlens = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    shape_row("varlen D128 (0.5k..8k)", 1, sum(lengths), 16, 16, 128,
+              kwargs={"cu_seqlens": cu_seqlens, "max_seqlen": max(lengths)},
+              flops=sum(causal_flops(1, 16, n, 128) for n in lengths))
+    shape_row("GQA D128 T4k 16q/4kv", 4, 4096, 16, 4, 128, gqa=True)
+
+    device = torch.cuda.get_device_name()
+    record = {"device": device, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+              "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "dtype": "bfloat16", "flops": "causal 4*B*H*T^2*D/2 forward, x3.5 forward+backward", "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
+    path = os.path.join(args.out, f"attention_{device.replace(' ', '_')}_{stamp}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"\n{device}, torch {torch.__version__}, triton {triton.__version__}; wrote {path}\n")
+    print_table(rows)
+
+
+def _result(entry, impl):
+    return next((r for r in entry["results"] if r["impl"] == impl and "error" not in r), None)
+
+
+def print_row(entry, flops):
+    stages = ", ".join(f"{k} {v:.3f} ms ({_stage_tflops(k, v, flops):.0f} TF/s)" for k, v in entry["stages_ms"].items())
+    print(f"{entry['shape']}: " + "; ".join(
+        f"{r['impl']} {r['fwd_tflops']:.0f}/{r['fwd_bwd_tflops']:.0f}" if "error" not in r else f"{r['impl']} error"
+        for r in entry["results"]) + f" | stages: {stages}", flush=True)
+
+
+def _stage_tflops(stage, ms, flops):
+    # Forward: 2 matmuls; dK/dV: 4 (QK^T recompute, dV, dP, dK); dQ: 3 (QK^T, dP, dQ) -> 2.5x forward in total
+    # counts dK/dV as 2x and dQ as 1.5x the forward's FLOPs (the recompute of QK^T is done twice).
+    factor = {"fwd": 1.0, "dkdv": 2.0, "dq": 1.5, "delta": 0.0}[stage]
+    return factor * flops / ms / 1e9
+
+
+def print_table(rows):
+    header = "| shape | ours fwd | ours fwd+bwd | cuDNN fwd | cuDNN fwd+bwd | flash fwd | flash fwd+bwd | ref fwd+bwd | fwd+bwd / cuDNN |"
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
+    for entry in rows:
+        cells = [entry["shape"]]
+        for impl in ("foxlm-triton", "sdpa-cudnn", "sdpa-flash"):
+            r = _result(entry, impl)
+            cells += [f"{r['fwd_tflops']:.0f}", f"{r['fwd_bwd_tflops']:.0f}"] if r else ["-", "-"]
+        ref = _result(entry, "foxlm-reference")
+        cells.append(f"{ref['fwd_bwd_tflops']:.0f}" if ref else "-")
+        ours_r, cudnn = _result(entry, "foxlm-triton"), _result(entry, "sdpa-cudnn")
+        cells.append(f"{ours_r['fwd_bwd_tflops'] / cudnn['fwd_bwd_tflops']:.2f}" if ours_r and cudnn else "-")
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

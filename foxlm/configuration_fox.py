@@ -1,0 +1,186 @@
+"""FoX model configuration."""
+
+import math
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+FGATE_TYPES = ("data_dependent", "data_independent", "fixed", "none")
+ATTENTION_BACKENDS = ("auto", "triton", "reference")
+
+
+@strict
+class FoxConfig(PreTrainedConfig):
+    r"""
+    Configuration of a Forgetting Transformer (FoX): a LLaMA-style decoder whose softmax attention carries a forget
+    gate, `O = softmax(QK^T / sqrt(d) + D) V` with `D_ij = sum_{l=j+1..i} log f_l` (arXiv 2503.02130). FoX needs no
+    positional embedding; RoPE is available but off by default.
+
+    The LLaMA fields (`vocab_size` ... `head_dim`) mean what they mean in `LlamaConfig`, so LLaMA checkpoints load
+    into FoX by name. The FoX fields:
+
+    Args:
+        fgate_type (`str`, defaults to `"data_dependent"`):
+            Forget gate of each head. `"data_dependent"`: `f_t = sigmoid(w . x_t + b)` (the paper's FoX);
+            `"data_independent"`: a learned per-head constant `sigmoid(b)`; `"fixed"`: a constant `sigmoid(b)` that is
+            not trained (an ALiBi-like recency bias); `"none"`: `f = 1`, plain softmax attention.
+        fgate_bias_init (`float`, *optional*):
+            Initial gate bias of every head (default 0.0, i.e. f = 0.5 at start as in the paper). Larger values keep
+            gates open at start (5.0 gives f = 0.993), which suits retrofitting pretrained models.
+        decay_time_min (`float`, *optional*), decay_time_max (`float`, *optional*):
+            Initialise the gate biases so that head h forgets with time constant `tau_h`, log-spaced from
+            `decay_time_min` (head 0) to `decay_time_max` (last head): `sigmoid(b_h) = exp(-1 / tau_h)`. Needs a gate
+            with a bias (not `"none"`); required by `"fixed"` unless `fgate_bias_init` is given.
+        use_rope (`bool`, defaults to `False`):
+            Rotary position embeddings on q and k (after QK-norm), with LLaMA's `rope_parameters`.
+        rope_parameters (`dict`, *optional*):
+            As in `LlamaConfig`; only read when `use_rope` is set. Default `rope_theta` 500000.
+        qk_norm (`bool`, defaults to `False`):
+            Per-head RMSNorm of q and k (FoX Pro), with `qk_norm_eps`.
+        use_output_gate (`bool`, defaults to `False`):
+            Multiply the attention output by `sigmoid(W_g x)` before `o_proj` (FoX Pro).
+        use_output_norm (`bool`, defaults to `False`):
+            Per-head RMSNorm of the attention output before the gate and `o_proj` (FoX Pro).
+        use_k_shift (`bool`, defaults to `False`), use_v_shift (`bool`, defaults to `False`):
+            Token shift of keys / values (FoX Pro): `k_t <- a_t k_{t-1} + (1 - a_t) k_t`, `a_t = sigmoid(w . x_t)`
+            per head.
+        acp_eps (`float`, *optional*):
+            Adaptive Computation Pruning tolerance (pruned attention mass per query <= eps). Reserved: not used yet.
+        attention_backend (`str`, defaults to `"auto"`):
+            `"auto"` runs the Triton kernel on CUDA and the PyTorch reference elsewhere; `"triton"` or `"reference"`
+            force one.
+        layer_types (`list[str]`, *optional*):
+            One `"fox_attention"` per layer; it makes `generate()` build FoX cache layers.
+
+    Presets for the paper's two variants: `FoxConfig.fox_llama(...)` and `FoxConfig.fox_pro(...)`.
+
+    ```python
+    >>> from foxlm import FoxConfig, FoxForCausalLM
+    >>> config = FoxConfig.fox_pro(hidden_size=768, num_hidden_layers=12, num_attention_heads=12)
+    >>> model = FoxForCausalLM(config)
+    ```"""
+
+    model_type = "fox"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    default_theta = 500000.0
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    # LLaMA-compatible fields. The default size is the paper's 760M model.
+    vocab_size: int = 32000
+    hidden_size: int = 1536
+    intermediate_size: int = 4096
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 24
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 16384
+    initializer_range: int | float = 0.02
+    rms_norm_eps: int | float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    attention_dropout: int | float | None = 0.0
+    mlp_bias: bool = False
+    # FoX fields.
+    fgate_type: str = "data_dependent"
+    fgate_bias_init: int | float | None = None
+    decay_time_min: int | float | None = None
+    decay_time_max: int | float | None = None
+    use_rope: bool = False
+    rope_parameters: RopeParameters | dict | None = None
+    qk_norm: bool = False
+    qk_norm_eps: int | float = 1e-5
+    use_output_gate: bool = False
+    use_output_norm: bool = False
+    use_k_shift: bool = False
+    use_v_shift: bool = False
+    acp_eps: int | float | None = None
+    attention_backend: str = "auto"
+    layer_types: list[str] | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.layer_types is None:
+            self.layer_types = ["fox_attention"] * self.num_hidden_layers
+        super().__post_init__(**kwargs)
+
+    @classmethod
+    def fox_llama(cls, **kwargs):
+        """FoX (LLaMA): the LLaMA architecture without RoPE, plus a data-dependent forget gate."""
+        return cls(**kwargs)
+
+    @classmethod
+    def fox_pro(cls, **kwargs):
+        """FoX (Pro): adds QK-norm, output gate, output norm and K/V shift; MLP width `hidden * 3.5 * 2/3`."""
+        pro_parts = dict(qk_norm=True, use_output_gate=True, use_output_norm=True, use_k_shift=True, use_v_shift=True)
+        hidden_size = kwargs.get("hidden_size", cls.hidden_size)
+        # The paper's MLP width for hidden_ratio 3.5, rounded up to a multiple of 256 (3584 at hidden 1536).
+        pro_parts["intermediate_size"] = 256 * math.ceil(int(hidden_size * 3.5 * 2 / 3) / 256)
+        return cls(**{**pro_parts, **kwargs})
+
+    def validate_architecture(self):
+        """Part of `@strict` validation: the FoX configuration is consistent."""
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of `num_key_value_heads` "
+                f"({self.num_key_value_heads})."
+            )
+        if self.fgate_type not in FGATE_TYPES:
+            raise ValueError(f"`fgate_type` must be one of {FGATE_TYPES}, got {self.fgate_type!r}.")
+        has_decay_range = self.decay_time_min is not None or self.decay_time_max is not None
+        if has_decay_range:
+            if self.decay_time_min is None or self.decay_time_max is None:
+                raise ValueError("set both `decay_time_min` and `decay_time_max`, or neither.")
+            if not 0 < self.decay_time_min <= self.decay_time_max:
+                raise ValueError(
+                    f"need 0 < decay_time_min <= decay_time_max, got {self.decay_time_min}, {self.decay_time_max}."
+                )
+            if self.fgate_bias_init is not None:
+                raise ValueError("`fgate_bias_init` and the decay-time range both set the gate bias; give one.")
+        if self.fgate_type == "none" and (has_decay_range or self.fgate_bias_init is not None):
+            raise ValueError("`fgate_type='none'` has no gate bias: unset `fgate_bias_init` / `decay_time_min/max`.")
+        if self.fgate_type == "fixed" and not has_decay_range and self.fgate_bias_init is None:
+            raise ValueError("`fgate_type='fixed'` needs its constant: set `decay_time_min/max` or `fgate_bias_init`.")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"`attention_backend` must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}."
+            )
+        if self.acp_eps is not None and not 0 < self.acp_eps < 1:
+            raise ValueError(f"`acp_eps` must be in (0, 1) or None, got {self.acp_eps}.")
+        if self.hidden_act not in ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu"):
+            raise ValueError(f"`hidden_act` {self.hidden_act!r} is not a supported gated-MLP activation.")
+
+    def validate_layer_type(self):
+        """Part of `@strict` validation: every layer is a FoX attention layer."""
+        if self.layer_types is None:
+            return
+        if any(layer_type != "fox_attention" for layer_type in self.layer_types):
+            raise ValueError(f"`layer_types` entries must all be 'fox_attention', got {self.layer_types}.")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"`layer_types` has {len(self.layer_types)} entries for {self.num_hidden_layers} layers."
+            )
+
+
+__all__ = ["FoxConfig"]

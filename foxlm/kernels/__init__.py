@@ -1,0 +1,6 @@
+"""Forgetting Attention kernels. Nothing here knows about transformers."""
+
+from .interface import forgetting_attention
+from .reference import fgate_cumsum_from_log_fgate, forgetting_attention_reference
+
+__all__ = ["forgetting_attention", "forgetting_attention_reference", "fgate_cumsum_from_log_fgate"]

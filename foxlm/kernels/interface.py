@@ -1,0 +1,275 @@
+"""`forgetting_attention`: the one entry point through which every FoX layer computes attention.
+
+It validates the arguments once and dispatches: the Triton kernel for CUDA tensors, the pure-PyTorch
+reference otherwise (or when asked for with `backend="reference"`). Both run inside one torch custom op,
+`torch.ops.foxlm.forgetting_attention`, with a registered fake (meta) implementation and autograd formula, so
+`torch.compile(fullgraph=True)` sees a single op and no graph break; its backward is a second custom op.
+"""
+
+import logging
+import math
+from typing import Optional
+
+import torch
+
+from .reference import fgate_cumsum_from_log_fgate, forgetting_attention_reference
+
+try:
+    from .triton_attention import triton_attention_backward, triton_attention_forward
+except ImportError:  # no Triton (CPU-only torch builds, remote code on such machines)
+    triton_attention_forward = triton_attention_backward = None
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "triton", "reference")
+_warned_reference_on_gpu = False
+
+
+def _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"`{name}` must be a 4-D tensor (batch, seqlen, heads, head_dim), got {_describe(t)}.")
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise ValueError(f"`{name}` must be float16, bfloat16, float32 or float64, got {t.dtype}.")
+        if t.device != q.device:
+            raise ValueError(f"`{name}` is on {t.device} but `q` is on {q.device}; all inputs must share a device.")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"`q`, `k` and `v` must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+    B, Tq, Hq, D = q.shape
+    Bk, Tk, Hkv, Dk = k.shape
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"`v` must match `k` in (batch, seqlen, heads): got {tuple(v.shape)} and {tuple(k.shape)}.")
+    if Bk != B or Dk != D:
+        raise ValueError(f"`k` {tuple(k.shape)} must match `q` {tuple(q.shape)} in batch and head_dim.")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}).")
+    if Tq > Tk:
+        raise ValueError(f"`q` has {Tq} tokens but `k` only {Tk}; queries align to the last keys, so Tq <= Tk.")
+    if (log_fgate is None) == (fgate_cumsum is None):
+        raise ValueError("pass exactly one of `log_fgate` and `fgate_cumsum`.")
+    gate_name, gate = ("log_fgate", log_fgate) if log_fgate is not None else ("fgate_cumsum", fgate_cumsum)
+    if not isinstance(gate, torch.Tensor) or tuple(gate.shape) != (B, Tk, Hq):
+        raise ValueError(f"`{gate_name}` must have shape (batch, key seqlen, query heads) = {(B, Tk, Hq)}, "
+                         f"got {_describe(gate)}.")
+    if gate.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"`{gate_name}` must be float32 (compute it as logsigmoid(logit.float())), got {gate.dtype}.")
+    if gate.device != q.device:
+        raise ValueError(f"`{gate_name}` is on {gate.device} but `q` is on {q.device}.")
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or len(cu_seqlens) < 2:
+            raise ValueError(f"`cu_seqlens` must be a 1-D int32/int64 tensor of sequence boundaries "
+                             f"[0, ..., total], got {_describe(cu_seqlens)}.")
+        if B != 1 or Tq != Tk:
+            raise ValueError(f"with `cu_seqlens`, sequences are packed along dim 1 of batch 1 and Tq == Tk; "
+                             f"got q {tuple(q.shape)}, k {tuple(k.shape)}.")
+        if cu_seqlens.device != q.device:
+            raise ValueError(f"`cu_seqlens` is on {cu_seqlens.device} but `q` is on {q.device}.")
+        if seq_start is not None:
+            raise ValueError("`seq_start` (left padding) cannot be combined with `cu_seqlens`: packed batches "
+                             "have no padding.")
+        bounds = cu_seqlens.tolist()
+        if bounds[0] != 0 or bounds[-1] != Tq or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+            raise ValueError(f"`cu_seqlens` must start at 0, be non-decreasing and end at the packed length {Tq}, "
+                             f"got {bounds}.")
+    if seq_start is not None:
+        if seq_start.dim() != 1 or seq_start.shape[0] != B or seq_start.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"`seq_start` must be a 1-D int tensor of length batch={B}, got {_describe(seq_start)}.")
+        if seq_start.device != q.device:
+            raise ValueError(f"`seq_start` is on {seq_start.device} but `q` is on {q.device}.")
+
+
+def _describe(x):
+    if isinstance(x, torch.Tensor):
+        return f"tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return type(x).__name__
+
+
+def forgetting_attention(
+    q,
+    k,
+    v,
+    log_fgate=None,
+    *,
+    fgate_cumsum=None,
+    sm_scale=None,
+    cu_seqlens=None,
+    max_seqlen=None,
+    seq_start=None,
+    backend="auto",
+):
+    """Causal Forgetting Attention: `o_i = sum_j softmax_j(sm_scale * q_i.k_j + c_i - c_j) v_j`.
+
+    Args:
+        q: (batch, q_len, query_heads, head_dim).
+        k, v: (batch, k_len, kv_heads, head_dim) with `kv_heads` dividing `query_heads` (GQA/MQA) and
+            `q_len <= k_len`; the queries are the last `q_len` positions (chunked prefill against a cache).
+        log_fgate: (batch, k_len, query_heads) float32, log of the forget gate of every key position.
+            `c` is its inclusive cumulative sum, restarted at every packed sequence.
+        fgate_cumsum: alternatively, `c` itself (batch, k_len, query_heads) float32, as a cache keeps it.
+        sm_scale: multiplies q.k only (default 1/sqrt(head_dim)); the decay bias is added unscaled.
+        cu_seqlens: (num_seqs + 1,) int boundaries of sequences packed along dim 1 (batch must be 1).
+        max_seqlen: longest packed sequence (a launch hint).
+        seq_start: (batch,) int, left padding: keys before `seq_start[b]` are ignored and their gates unused.
+            Right padding needs nothing: causal queries never see later positions.
+        backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
+
+    Returns:
+        (batch, q_len, query_heads, head_dim) in the dtype of `q`.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}.")
+    _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start)
+    has_triton = triton_attention_forward is not None
+    # float64 has no tensor-core path; the reference computes it exactly.
+    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and has_triton and q.dtype != torch.float64)
+    if use_triton and not has_triton:
+        raise RuntimeError("backend='triton' was requested but Triton is not installed.")
+    if q.is_cuda and not use_triton:
+        global _warned_reference_on_gpu
+        if not _warned_reference_on_gpu:
+            _warned_reference_on_gpu = True
+            logger.warning("Forgetting Attention is running on the slow pure-PyTorch reference path on a GPU "
+                           "(backend=%r, Triton available: %s).", backend, has_triton)
+    gate_is_cumsum = log_fgate is None
+    out, _ = torch.ops.foxlm.forgetting_attention(
+        q, k, v, fgate_cumsum if gate_is_cumsum else log_fgate, gate_is_cumsum,
+        1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale),
+        cu_seqlens, None if max_seqlen is None else int(max_seqlen), seq_start, use_triton,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The custom ops. `gate` is log f, or c itself when `gate_is_cumsum`; gradients flow to whichever was given.
+
+
+def _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start):
+    """c in float64, (B, Tk, Hq) contiguous: the kernels subtract float64 anchors from it (fox-reference.md §4)."""
+    if gate_is_cumsum:
+        return gate.double().contiguous()
+    return fgate_cumsum_from_log_fgate(gate, cu_seqlens=cu_seqlens, seq_start=seq_start).contiguous()
+
+
+def _gate_gradient(dc, gate_is_cumsum, cu_seqlens, seq_start):
+    """dL/d(gate) from dL/dc (B, Tk, Hq): dc itself, or for log f the reverse cumsum `d log f_t = sum_{k>=t} dc_k`
+    within each sequence, summed directly in float64 (never `total - prefix` in fp32)."""
+    if gate_is_cumsum:
+        return dc
+    dc = dc.double()
+    suffix = dc.flip(1).cumsum(1).flip(1)
+    if cu_seqlens is not None:
+        # Remove what lies beyond each token's own sequence (float64; ~0 anyway, every sequence's dc sums to 0).
+        ends = cu_seqlens[1:].long()
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        padded = torch.cat([suffix, suffix.new_zeros(suffix.shape[0], 1, suffix.shape[2])], dim=1)
+        suffix = suffix - padded[:, ends].repeat_interleave(lengths, dim=1, output_size=suffix.shape[1])
+    if seq_start is not None:
+        positions = torch.arange(dc.shape[1], device=dc.device)
+        suffix = suffix.masked_fill((positions[None, :] < seq_start[:, None])[..., None], 0.0)
+    return suffix
+
+
+def _reference_backward(do, q, k, v, c, sm_scale, seq_start):
+    """Explicit gradients of the reference for one dense batch: (dq, dk, dv, dL/dc), query chunk by query chunk.
+
+    Written out rather than recomputed under autograd because autograd does not run inside a custom op's kernel.
+    """
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    group, offset = Hq // Hkv, Tk - Tq
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qg = q.to(dtype).view(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4)
+    dog = do.to(dtype).view(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4)
+    kg = k.to(dtype).permute(0, 2, 1, 3).unsqueeze(2)
+    vg = v.to(dtype).permute(0, 2, 1, 3).unsqueeze(2)
+    cg = c.view(B, Tk, Hkv, group).permute(0, 2, 3, 1)
+    key_valid = torch.ones(B, Tk, dtype=torch.bool, device=q.device)
+    if seq_start is not None:
+        key_valid = torch.arange(Tk, device=q.device)[None, :] >= seq_start[:, None]
+    dq = torch.zeros_like(qg)
+    dk = torch.zeros_like(kg)
+    dv = torch.zeros_like(vg)
+    dc = torch.zeros_like(cg)
+    chunk = max(1, 2**25 // max(1, B * Hq * Tk))
+    for start in range(0, Tq, chunk):
+        end = min(start + chunk, Tq)
+        n = offset + end
+        anchor = cg[..., offset + start : offset + start + 1]
+        bias = (cg[..., offset + start : offset + end, None] - anchor[..., None]) - (cg[..., None, :n] - anchor[..., None])
+        scores = torch.matmul(qg[:, :, :, start:end], kg[:, :, :, :n].transpose(-1, -2)) * sm_scale + bias.to(dtype)
+        causal = torch.arange(n, device=q.device)[None, :] <= torch.arange(offset + start, n, device=q.device)[:, None]
+        scores = scores.masked_fill(~(causal[None, None, None] & key_valid[:, None, None, None, :n]), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        do_chunk = dog[:, :, :, start:end]
+        dp = torch.matmul(do_chunk, vg[:, :, :, :n].transpose(-1, -2))
+        ds = probs * (dp - (probs * dp).sum(-1, keepdim=True))
+        dv[:, :, :, :n] += torch.matmul(probs.transpose(-1, -2), do_chunk).sum(2, keepdim=True)
+        dq[:, :, :, start:end] = torch.matmul(ds, kg[:, :, :, :n]) * sm_scale
+        dk[:, :, :, :n] += torch.matmul(ds.transpose(-1, -2), qg[:, :, :, start:end]).sum(2, keepdim=True) * sm_scale
+        dc[..., :n] -= ds.sum(-2).to(dc.dtype)
+        dc[..., offset + start : offset + end] += ds.sum(-1).to(dc.dtype)
+    return (dq.permute(0, 3, 1, 2, 4).reshape(q.shape).to(q.dtype), dk.squeeze(2).transpose(1, 2).to(k.dtype),
+            dv.squeeze(2).transpose(1, 2).to(v.dtype), dc.permute(0, 3, 1, 2).reshape(B, Tk, Hq))
+
+
+@torch.library.custom_op("foxlm::forgetting_attention", mutates_args=())
+def _forgetting_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, gate_is_cumsum: bool, sm_scale: float,
+    cu_seqlens: Optional[torch.Tensor], max_seqlen: Optional[int], seq_start: Optional[torch.Tensor], use_triton: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out, lse); lse (B, Hq, Tq) is the kernel's log2-domain log-sum-exp (unused by the reference)."""
+    if use_triton:
+        c = _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
+        return triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens, max_seqlen, seq_start)
+    gates = dict(fgate_cumsum=gate) if gate_is_cumsum else dict(log_fgate=gate)
+    out = forgetting_attention_reference(q, k, v, **gates, sm_scale=sm_scale, cu_seqlens=cu_seqlens,
+                                         seq_start=seq_start)
+    return out.contiguous(), q.new_zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+
+
+@_forgetting_attention_op.register_fake
+def _(q, k, v, gate, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start, use_triton):
+    return q.new_empty(q.shape), q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("foxlm::forgetting_attention_backward", mutates_args=())
+def _forgetting_attention_backward_op(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, gate_is_cumsum: bool, sm_scale: float, cu_seqlens: Optional[torch.Tensor],
+    max_seqlen: Optional[int], seq_start: Optional[torch.Tensor], use_triton: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    c = _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
+    if use_triton:
+        dq, dk, dv, dc = triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens, max_seqlen,
+                                                   seq_start)
+    elif cu_seqlens is None:
+        dq, dk, dv, dc = _reference_backward(do, q, k, v, c, sm_scale, seq_start)
+    else:
+        bounds = cu_seqlens.tolist()
+        pieces = [_reference_backward(do[:, s:e], q[:, s:e], k[:, s:e], v[:, s:e], c[:, s:e], sm_scale, None)
+                  for s, e in zip(bounds[:-1], bounds[1:])]
+        dq, dk, dv, dc = (torch.cat(parts, dim=1) for parts in zip(*pieces))
+    dgate = _gate_gradient(dc, gate_is_cumsum, cu_seqlens, seq_start)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dgate.to(gate.dtype).contiguous()
+
+
+@_forgetting_attention_backward_op.register_fake
+def _(do, q, k, v, gate, out, lse, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start, use_triton):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), gate.new_empty(gate.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, gate, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start, use_triton = inputs
+    ctx.save_for_backward(q, k, v, gate, output[0], output[1], cu_seqlens, seq_start)
+    ctx.args = (gate_is_cumsum, sm_scale, max_seqlen, use_triton)
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, gate, out, lse, cu_seqlens, seq_start = ctx.saved_tensors
+    gate_is_cumsum, sm_scale, max_seqlen, use_triton = ctx.args
+    dq, dk, dv, dgate = torch.ops.foxlm.forgetting_attention_backward(
+        do, q, k, v, gate, out, lse, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start, use_triton)
+    return dq, dk, dv, dgate, None, None, None, None, None, None
+
+
+_forgetting_attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,112 @@
+"""Pure-PyTorch Forgetting Attention: the exact, memory-bounded reference path.
+
+Runs on any device and dtype. It is the CPU implementation and the twin of the Triton kernel in tests. Queries
+are processed in chunks, each chunk only against the keys it can see, so a long sequence never allocates a full
+T x T score matrix; under autograd every chunk is recomputed in the backward pass (activation checkpointing) so
+training memory stays bounded as well.
+"""
+
+import math
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# Scores held at once per chunk (batch * heads * queries * keys); 2**24 fp32 scores = 64 MiB.
+_MAX_SCORES_PER_CHUNK = 2**24
+
+
+def fgate_cumsum_from_log_fgate(log_fgate, *, cu_seqlens=None, seq_start=None):
+    """Inclusive cumulative sum of `log_fgate` (batch, seqlen, heads) along the sequence, in float64.
+
+    The sum restarts at every sequence start given by `cu_seqlens` (packed batches), and positions before
+    `seq_start[b]` (left padding) contribute nothing. float64 keeps `c_i - c_j` exact to fp32 precision even when
+    |c| grows to ~1e5 at long T with strong decay.
+    """
+    log_fgate = log_fgate.double()
+    if seq_start is not None:
+        positions = torch.arange(log_fgate.shape[1], device=log_fgate.device)
+        log_fgate = log_fgate.masked_fill((positions[None, :] < seq_start[:, None])[..., None], 0.0)
+    cumsum = log_fgate.cumsum(dim=1)
+    if cu_seqlens is not None:
+        # Subtract, from every token, the cumulative sum just before its own sequence starts.
+        starts = cu_seqlens[:-1].long()
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        before_start = torch.cat([cumsum.new_zeros(1, 1, cumsum.shape[2]), cumsum[:, :-1]], dim=1)[:, starts]
+        cumsum = cumsum - before_start.repeat_interleave(lengths, dim=1, output_size=cumsum.shape[1])
+    return cumsum
+
+
+def _attend_chunk(q, k, v, cumsum_q, cumsum_k, key_valid, sm_scale):
+    """Attention of one query chunk against keys 0..N-1, N aligned so the last query sees the last key.
+
+    q (B, Hkv, G, M, D), k/v (B, Hkv, 1, N, D), cumsum_q (B, Hkv, G, M), cumsum_k (B, Hkv, G, N), key_valid (B, N).
+    """
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
+    M, N = q.shape[-2], k.shape[-2]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * sm_scale
+    # Anchor the decay at the chunk's first query so that nearby entries keep full precision.
+    anchor = cumsum_q[..., :1]
+    bias = (cumsum_q - anchor).to(compute_dtype)[..., :, None] - (cumsum_k - anchor).to(compute_dtype)[..., None, :]
+    causal = torch.arange(N, device=q.device)[None, :] <= torch.arange(N - M, N, device=q.device)[:, None]
+    visible = causal[None, None, None] & key_valid[:, None, None, None, :]
+    scores = (scores + bias).masked_fill(~visible, float("-inf"))
+    # A query that sees no key (left padding) gets output 0 instead of NaN.
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.matmul(probs, v)
+
+
+def _dense_forgetting_attention(q, k, v, cumsum, sm_scale, seq_start):
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    offset = Tk - Tq
+    # Grouped views: query heads of one KV head share K/V through broadcasting, nothing is repeated in memory.
+    q = q.view(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4)
+    k = k.permute(0, 2, 1, 3).unsqueeze(2)
+    v = v.permute(0, 2, 1, 3).unsqueeze(2)
+    cumsum = cumsum.view(B, Tk, Hkv, group).permute(0, 2, 3, 1)
+    key_valid = torch.ones(B, Tk, dtype=torch.bool, device=q.device)
+    if seq_start is not None:
+        key_valid = torch.arange(Tk, device=q.device)[None, :] >= seq_start[:, None]
+    chunk = max(1, _MAX_SCORES_PER_CHUNK // max(1, B * Hq * Tk))
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, cumsum))
+    outputs = []
+    for start in range(0, Tq, chunk):
+        end = min(start + chunk, Tq)
+        n_keys = offset + end
+        args = (
+            q[:, :, :, start:end],
+            k[:, :, :, :n_keys],
+            v[:, :, :, :n_keys],
+            cumsum[..., offset + start : offset + end],
+            cumsum[..., :n_keys],
+            key_valid[:, :n_keys],
+            sm_scale,
+        )
+        if needs_grad:
+            outputs.append(checkpoint(_attend_chunk, *args, use_reentrant=False))
+        else:
+            outputs.append(_attend_chunk(*args))
+    out = torch.cat(outputs, dim=3) if outputs else q.new_zeros(B, Hkv, group, 0, v.shape[-1])
+    return out.permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq, v.shape[-1])
+
+
+def forgetting_attention_reference(
+    q, k, v, log_fgate=None, *, fgate_cumsum=None, sm_scale=None, cu_seqlens=None, max_seqlen=None, seq_start=None
+):
+    """Reference Forgetting Attention; arguments as `foxlm.kernels.forgetting_attention` (validated there)."""
+    del max_seqlen  # only a launch hint for the kernels
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    if fgate_cumsum is None:
+        fgate_cumsum = fgate_cumsum_from_log_fgate(log_fgate, cu_seqlens=cu_seqlens, seq_start=seq_start)
+    if cu_seqlens is None:
+        out = _dense_forgetting_attention(q, k, v, fgate_cumsum, sm_scale, seq_start)
+        return out.to(q.dtype)
+    bounds = cu_seqlens.tolist()
+    pieces = [
+        _dense_forgetting_attention(q[:, s:e], k[:, s:e], v[:, s:e], fgate_cumsum[:, s:e], sm_scale, None)
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ]
+    return torch.cat(pieces, dim=1).to(q.dtype)

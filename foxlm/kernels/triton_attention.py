@@ -1,0 +1,480 @@
+"""Triton Forgetting Attention: forward and backward kernels.
+
+`o_i = sum_j softmax_j(sm_scale * q_i.k_j + c_i - c_j) v_j`, c the inclusive cumsum of log f (fox-reference.md §1).
+
+Design (fox-reference.md §3-4):
+- Scores live in the exp2 domain: `sm_scale * log2(e)` is folded into one multiplier and the decay bias is scaled
+  by log2(e) once per key/query vector, so the inner loop costs one FMA and one FSUB per score over plain attention.
+- No catastrophic cancellation: c is kept in float64 in memory (O(T) bytes) and every program subtracts a float64
+  anchor (the c of its first query or key) before rounding to fp32, so `c_i - c_j` stays exact to fp32 precision
+  however large |c| grows at long T with strong decay.
+- The softmax ignores per-row constants, so the forward tracks its running max on `s - c_j` and adds `c_i` back only
+  into the stored log-sum-exp.
+- Masking rides on the bias vectors: keys before `seq_start` (left padding) get bias +inf, query rows past the end
+  get LSE +inf, so off-diagonal blocks need no element-wise mask; only diagonal blocks (their own loop stage) do.
+- Backward: dK/dV programs are key-stationary and loop over the query heads of their GQA group, so dK/dV are reduced
+  in registers (no per-query-head copy). They also own `dc_j = -sum_i dS_ij` (the row sums of dS vanish), so the
+  gate gradient needs no atomics and is deterministic; `d log f` is then a float64 reverse cumsum.
+- 1-D grids (no 65535 limit on y/z), 64-bit base offsets, heavy causal blocks launched first.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _load_tile(base, rows, n_rows, stride_row, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               CHECK_ROWS: tl.constexpr):
+    """A (rows, BLOCK_D) tile of a (seqlen, head_dim) matrix; zeros outside."""
+    ptrs = base + rows[:, None].to(tl.int64) * stride_row + offs_d[None, :]
+    if CHECK_ROWS:
+        if HEAD_DIM == BLOCK_D:
+            tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if HEAD_DIM == BLOCK_D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_tile(base, tile, rows, n_rows, stride_row, offs_d, HEAD_DIM: tl.constexpr):
+    ptrs = base + rows[:, None].to(tl.int64) * stride_row + offs_d[None, :]
+    tl.store(ptrs, tile.to(base.dtype.element_ty), mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _sequence(CU_SEQLENS, SEQ_START, b, Tq, Tk, IS_VARLEN: tl.constexpr, HAS_SEQ_START: tl.constexpr):
+    """(batch index, first token, query length, key length, first valid key) of sequence b."""
+    if IS_VARLEN:
+        bos = tl.load(CU_SEQLENS + b).to(tl.int64)
+        seq_q = (tl.load(CU_SEQLENS + b + 1) - bos).to(tl.int32)
+        seq_k = seq_q
+        batch = b * 0
+    else:
+        bos = b.to(tl.int64) * 0
+        seq_q = Tq
+        seq_k = Tk
+        batch = b
+    if HAS_SEQ_START:
+        kv_start = tl.load(SEQ_START + b).to(tl.int32)
+    else:
+        kv_start = b * 0
+    return batch.to(tl.int64), bos, seq_q, seq_k, kv_start
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, stride_ct, anchor, q_pos, kv_start, seq_k,
+               qk_scale, lo, hi, offs_n, offs_d,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_k = start_n + offs_n
+        k = _load_tile(K, offs_k, seq_k, stride_kt, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        v = _load_tile(V, offs_k, seq_k, stride_vt, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        if MASKED:
+            c_k = tl.load(C + offs_k.to(tl.int64) * stride_ct, mask=offs_k < seq_k, other=0.0)
+        else:
+            c_k = tl.load(C + offs_k.to(tl.int64) * stride_ct)
+        k_bias = (c_k - anchor).to(tl.float32) * 1.4426950408889634
+        if HAS_SEQ_START:
+            k_bias = tl.where(offs_k >= kv_start, k_bias, float("inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - k_bias[None, :]
+        if MASKED:
+            s = tl.where(q_pos[:, None] >= offs_k[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen only masked keys keeps m = -inf; pivot on 0 so that exp2 never sees -inf - -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, C, O, LSE, CU_SEQLENS, SEQ_START,
+                stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                stride_ob, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch,
+                Tq, Tk, max_seqlen_q, num_heads, group, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
+                HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(max_seqlen_q, BLOCK_M)
+    bh = pid // num_m
+    start_m = (num_m - 1 - pid % num_m) * BLOCK_M  # the longest causal rows first
+    b = bh // num_heads
+    h = bh % num_heads
+    batch, bos, seq_q, seq_k, kv_start = _sequence(CU_SEQLENS, SEQ_START, b, Tq, Tk, IS_VARLEN, HAS_SEQ_START)
+    if start_m >= seq_q:
+        return
+    p_seq = seq_k - seq_q  # queries sit at the last seq_q key positions
+    Q += batch * stride_qb + bos * stride_qt + h * stride_qh
+    K += batch * stride_kb + bos * stride_kt + (h // group) * stride_kh
+    V += batch * stride_vb + bos * stride_vt + (h // group) * stride_vh
+    C += batch * stride_cb + bos * stride_ct + h * stride_ch
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_pos = p_seq + offs_m
+    q = _load_tile(Q, offs_m, seq_q, stride_qt, offs_d, HEAD_DIM, BLOCK_D, True)
+    anchor = tl.load(C + (p_seq + start_m).to(tl.int64) * stride_ct)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo = kv_start // BLOCK_N * BLOCK_N
+    diag_lo = tl.maximum(lo, (p_seq + start_m + 1) // BLOCK_N * BLOCK_N)
+    hi = tl.minimum(p_seq + start_m + BLOCK_M, seq_k)
+    # Stage 1: key blocks every query of the block sees in full. Stage 2: the causal diagonal.
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, stride_ct, anchor, q_pos,
+                               kv_start, seq_k, qk_scale, lo, diag_lo, offs_n, offs_d,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_SEQ_START, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, stride_ct, anchor, q_pos,
+                               kv_start, seq_k, qk_scale, diag_lo, hi, offs_n, offs_d,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_SEQ_START, DOT_PRECISION)
+
+    c_q = tl.load(C + q_pos.to(tl.int64) * stride_ct, mask=offs_m < seq_q, other=0.0)
+    q_bias = (c_q - anchor).to(tl.float32) * 1.4426950408889634
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    # Rows that see no key (left padding) output 0; their LSE is +inf so that the backward's P is exactly 0.
+    lse = tl.where(l_i > 0, m_i + tl.math.log2(l_safe) + q_bias, float("inf"))
+    _store_tile(O + batch * stride_ob + bos * stride_ot + h * stride_oh, acc / l_safe[:, None], offs_m, seq_q,
+                stride_ot, offs_d, HEAD_DIM)
+    tl.store(LSE + (batch * num_heads + h) * Tq + bos + offs_m, lse, mask=offs_m < seq_q)
+
+
+@triton.jit
+def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh,
+                    Tq, num_heads, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta_i = rowsum(o_i * do_i), the row term of dS = P * (dP - delta)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(Tq, BLOCK_M)
+    bh = pid // num_m
+    b = (bh // num_heads).to(tl.int64)
+    h = bh % num_heads
+    offs_m = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_tile(O + b * stride_ob + h * stride_oh, offs_m, Tq, stride_ot, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_tile(DO + b * stride_dob + h * stride_doh, offs_m, Tq, stride_dot, offs_d, HEAD_DIM, BLOCK_D, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh.to(tl.int64) * Tq + offs_m, delta, mask=offs_m < Tq)
+
+
+@triton.jit
+def _bwd_kv_inner(dk, dv, dc, k, v, k_bias, Q, DO, C, LSE, DELTA, stride_qt, stride_dot, stride_ct, anchor,
+                  offs_n, p_seq, seq_q, qk_scale, lo, hi, offs_d,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        valid_m = offs_m < seq_q
+        q = _load_tile(Q, offs_m, seq_q, stride_qt, offs_d, HEAD_DIM, BLOCK_D, True)
+        do = _load_tile(DO, offs_m, seq_q, stride_dot, offs_d, HEAD_DIM, BLOCK_D, True)
+        lse = tl.load(LSE + offs_m, mask=valid_m, other=float("inf"))
+        delta = tl.load(DELTA + offs_m, mask=valid_m, other=0.0)
+        c_q = tl.load(C + (p_seq + offs_m).to(tl.int64) * stride_ct, mask=valid_m, other=0.0)
+        q_row = (c_q - anchor).to(tl.float32) * 1.4426950408889634 - lse
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale + q_row[None, :] - k_bias[:, None]
+        if MASKED:
+            s_t = tl.where(offs_n[:, None] <= (p_seq + offs_m)[None, :], s_t, float("-inf"))
+        p_t = tl.math.exp2(s_t)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+        dc += tl.sum(ds_t, 1)
+    return dk, dv, dc
+
+
+@triton.jit
+def _bwd_kv_kernel(Q, K, V, C, DO, LSE, DELTA, DK, DV, DC, CU_SEQLENS, SEQ_START,
+                   stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                   stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh,
+                   stride_dvb, stride_dvt, stride_dvh, stride_cb, stride_ct, stride_ch,
+                   Tq, Tk, max_seqlen_k, num_heads, group, qk_scale, sm_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
+                   HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(max_seqlen_k, BLOCK_N)
+    bh = pid // num_n
+    start_n = (pid % num_n) * BLOCK_N  # the earliest keys, seen by the most queries, first
+    num_kv_heads = num_heads // group
+    b = bh // num_kv_heads
+    h_kv = bh % num_kv_heads
+    batch, bos, seq_q, seq_k, kv_start = _sequence(CU_SEQLENS, SEQ_START, b, Tq, Tk, IS_VARLEN, HAS_SEQ_START)
+    if start_n >= seq_k:
+        return
+    p_seq = seq_k - seq_q
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = _load_tile(K + batch * stride_kb + bos * stride_kt + h_kv * stride_kh, offs_n, seq_k, stride_kt, offs_d,
+                   HEAD_DIM, BLOCK_D, True)
+    v = _load_tile(V + batch * stride_vb + bos * stride_vt + h_kv * stride_vh, offs_n, seq_k, stride_vt, offs_d,
+                   HEAD_DIM, BLOCK_D, True)
+    valid_n = (offs_n < seq_k) & (offs_n >= kv_start)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    # Query blocks [lo, mid) cross the causal diagonal of this key block; [mid, seq_q) see it in full.
+    lo = tl.maximum(start_n - p_seq, 0) // BLOCK_M * BLOCK_M
+    mid = tl.maximum(lo, (tl.maximum(start_n + BLOCK_N - 1 - p_seq, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
+    mid = tl.minimum(mid, seq_q)
+    for g in range(0, group):
+        h = h_kv * group + g
+        Q_h = Q + batch * stride_qb + bos * stride_qt + h * stride_qh
+        DO_h = DO + batch * stride_dob + bos * stride_dot + h * stride_doh
+        C_h = C + batch * stride_cb + bos * stride_ct + h * stride_ch
+        row = (batch * num_heads + h) * Tq + bos
+        anchor = tl.load(C_h + start_n.to(tl.int64) * stride_ct)
+        c_k = tl.load(C_h + offs_n.to(tl.int64) * stride_ct, mask=offs_n < seq_k, other=0.0)
+        k_bias = tl.where(valid_n, (c_k - anchor).to(tl.float32) * 1.4426950408889634, float("inf"))
+        dc = tl.zeros([BLOCK_N], tl.float32)
+        dk, dv, dc = _bwd_kv_inner(dk, dv, dc, k, v, k_bias, Q_h, DO_h, C_h, LSE + row, DELTA + row, stride_qt,
+                                   stride_dot, stride_ct, anchor, offs_n, p_seq, seq_q, qk_scale, lo, mid, offs_d,
+                                   HEAD_DIM, BLOCK_D, BLOCK_M, True, DOT_PRECISION)
+        dk, dv, dc = _bwd_kv_inner(dk, dv, dc, k, v, k_bias, Q_h, DO_h, C_h, LSE + row, DELTA + row, stride_qt,
+                                   stride_dot, stride_ct, anchor, offs_n, p_seq, seq_q, qk_scale, mid, seq_q, offs_d,
+                                   HEAD_DIM, BLOCK_D, BLOCK_M, False, DOT_PRECISION)
+        # dL/dc_j = -sum_i dS_ij; this program is the only owner of these keys, so no atomics.
+        tl.store(DC + (batch * num_heads + h) * Tk + bos + offs_n, -dc, mask=offs_n < seq_k)
+    _store_tile(DK + batch * stride_dkb + bos * stride_dkt + h_kv * stride_dkh, dk * sm_scale, offs_n, seq_k,
+                stride_dkt, offs_d, HEAD_DIM)
+    _store_tile(DV + batch * stride_dvb + bos * stride_dvt + h_kv * stride_dvh, dv, offs_n, seq_k, stride_dvt,
+                offs_d, HEAD_DIM)
+
+
+@triton.jit
+def _bwd_q_inner(dq, q, do, q_row, delta, K, V, C, stride_kt, stride_vt, stride_ct, anchor, q_pos, kv_start,
+                 seq_k, qk_scale, lo, hi, offs_n, offs_d,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_k = start_n + offs_n
+        k = _load_tile(K, offs_k, seq_k, stride_kt, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        v = _load_tile(V, offs_k, seq_k, stride_vt, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        if MASKED:
+            c_k = tl.load(C + offs_k.to(tl.int64) * stride_ct, mask=offs_k < seq_k, other=0.0)
+        else:
+            c_k = tl.load(C + offs_k.to(tl.int64) * stride_ct)
+        k_bias = (c_k - anchor).to(tl.float32) * 1.4426950408889634
+        if HAS_SEQ_START:
+            k_bias = tl.where(offs_k >= kv_start, k_bias, float("inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale + q_row[:, None] - k_bias[None, :]
+        if MASKED:
+            s = tl.where(q_pos[:, None] >= offs_k[None, :], s, float("-inf"))
+        p = tl.math.exp2(s)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _bwd_q_kernel(Q, K, V, C, DO, LSE, DELTA, DQ, CU_SEQLENS, SEQ_START,
+                  stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                  stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh, stride_cb, stride_ct, stride_ch,
+                  Tq, Tk, max_seqlen_q, num_heads, group, qk_scale, sm_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
+                  HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(max_seqlen_q, BLOCK_M)
+    bh = pid // num_m
+    start_m = (num_m - 1 - pid % num_m) * BLOCK_M
+    b = bh // num_heads
+    h = bh % num_heads
+    batch, bos, seq_q, seq_k, kv_start = _sequence(CU_SEQLENS, SEQ_START, b, Tq, Tk, IS_VARLEN, HAS_SEQ_START)
+    if start_m >= seq_q:
+        return
+    p_seq = seq_k - seq_q
+    K += batch * stride_kb + bos * stride_kt + (h // group) * stride_kh
+    V += batch * stride_vb + bos * stride_vt + (h // group) * stride_vh
+    C += batch * stride_cb + bos * stride_ct + h * stride_ch
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    valid_m = offs_m < seq_q
+    q_pos = p_seq + offs_m
+    q = _load_tile(Q + batch * stride_qb + bos * stride_qt + h * stride_qh, offs_m, seq_q, stride_qt, offs_d,
+                   HEAD_DIM, BLOCK_D, True)
+    do = _load_tile(DO + batch * stride_dob + bos * stride_dot + h * stride_doh, offs_m, seq_q, stride_dot, offs_d,
+                    HEAD_DIM, BLOCK_D, True)
+    row = (batch * num_heads + h) * Tq + bos
+    lse = tl.load(LSE + row + offs_m, mask=valid_m, other=float("inf"))
+    delta = tl.load(DELTA + row + offs_m, mask=valid_m, other=0.0)
+    anchor = tl.load(C + (p_seq + start_m).to(tl.int64) * stride_ct)
+    c_q = tl.load(C + q_pos.to(tl.int64) * stride_ct, mask=valid_m, other=0.0)
+    q_row = (c_q - anchor).to(tl.float32) * 1.4426950408889634 - lse
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo = kv_start // BLOCK_N * BLOCK_N
+    diag_lo = tl.maximum(lo, (p_seq + start_m + 1) // BLOCK_N * BLOCK_N)
+    hi = tl.minimum(p_seq + start_m + BLOCK_M, seq_k)
+    dq = _bwd_q_inner(dq, q, do, q_row, delta, K, V, C, stride_kt, stride_vt, stride_ct, anchor, q_pos, kv_start,
+                      seq_k, qk_scale, lo, diag_lo, offs_n, offs_d,
+                      HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_SEQ_START, DOT_PRECISION)
+    dq = _bwd_q_inner(dq, q, do, q_row, delta, K, V, C, stride_kt, stride_vt, stride_ct, anchor, q_pos, kv_start,
+                      seq_k, qk_scale, diag_lo, hi, offs_n, offs_d,
+                      HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_SEQ_START, DOT_PRECISION)
+    _store_tile(DQ + batch * stride_dqb + bos * stride_dqt + h * stride_dqh, dq * sm_scale, offs_m, seq_q,
+                stride_dqt, offs_d, HEAD_DIM)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launch configurations. (BLOCK_M, BLOCK_N, num_warps, num_stages), pruned by head dim; autotuned once per
+# (head dim, dtype). Hopper-first; the smaller entries keep shared memory within Ampere/Ada limits.
+
+
+def _configs(entries):
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in entries]
+
+
+if _INTERPRET:
+    # The interpreter runs numpy per program: small, unequal blocks exercise every boundary case cheaply.
+    _FWD_CONFIGS = {0: _configs([(32, 16, 4, 1)])}
+    _BWD_KV_CONFIGS = {0: _configs([(16, 32, 4, 1)])}
+    _BWD_Q_CONFIGS = {0: _configs([(32, 16, 4, 1)])}
+else:
+    _FWD_CONFIGS = {
+        64: _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)]),
+        128: _configs([(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]),
+        256: _configs([(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)]),
+    }
+    _BWD_KV_CONFIGS = {
+        64: _configs([(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3)]),
+        128: _configs([(64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2)]),
+        256: _configs([(32, 64, 4, 2), (16, 64, 4, 2), (32, 32, 4, 1)]),
+    }
+    _BWD_Q_CONFIGS = {
+        64: _configs([(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)]),
+        128: _configs([(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2)]),
+        256: _configs([(64, 32, 4, 2), (64, 16, 4, 2), (32, 32, 4, 1)]),
+    }
+
+
+def _pruner(table):
+    def prune(configs, named_args, **kwargs):
+        block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+        key = 0 if 0 in table else min(d for d in table if d >= block_d)
+        return table[key]
+
+    return prune
+
+
+def _all(table):
+    return [c for configs in table.values() for c in configs]
+
+
+_KEY = ["BLOCK_D", "group", "HAS_SEQ_START", "IS_VARLEN"]
+_fwd = triton.autotune(_all(_FWD_CONFIGS), key=_KEY, prune_configs_by={"early_config_prune": _pruner(_FWD_CONFIGS)})(
+    _fwd_kernel)
+_bwd_kv = triton.autotune(_all(_BWD_KV_CONFIGS), key=_KEY,
+                          prune_configs_by={"early_config_prune": _pruner(_BWD_KV_CONFIGS)})(_bwd_kv_kernel)
+_bwd_q = triton.autotune(_all(_BWD_Q_CONFIGS), key=_KEY,
+                         prune_configs_by={"early_config_prune": _pruner(_BWD_Q_CONFIGS)})(_bwd_q_kernel)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host side.
+
+
+def _last_dim_contiguous(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _common(q, k, cu_seqlens, max_seqlen, seq_start):
+    B, Tq, Hq, D = q.shape
+    Tk = k.shape[1]
+    if cu_seqlens is not None:
+        n_seqs = cu_seqlens.shape[0] - 1
+        if max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item()) if n_seqs > 0 else 0
+        max_q = max_k = int(max_seqlen)
+        cu_seqlens = cu_seqlens.to(torch.int32)
+    else:
+        n_seqs, max_q, max_k = B, Tq, Tk
+    seq_start = None if seq_start is None else seq_start.to(device=q.device, dtype=torch.int32)
+    return dict(
+        n_seqs=n_seqs, max_q=max_q, max_k=max_k, cu_seqlens=cu_seqlens, seq_start=seq_start,
+        block_d=max(16, triton.next_power_of_2(D)), group=Hq // k.shape[2],
+        dot_precision="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+
+
+def triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens=None, max_seqlen=None, seq_start=None):
+    """Returns (out (B, Tq, Hq, D), lse (B, Hq, Tq) fp32 in the log2 domain). `c` is the float64 cumsum of log f,
+    (B, Tk, Hq); the other arguments are those of `forgetting_attention`."""
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    B, Tq, Hq, D = q.shape
+    Tk = k.shape[1]
+    cfg = _common(q, k, cu_seqlens, max_seqlen, seq_start)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
+    if q.numel() == 0 or cfg["max_q"] == 0:
+        return out.zero_(), lse.fill_(float("inf"))
+    grid = lambda meta: (triton.cdiv(cfg["max_q"], meta["BLOCK_M"]) * cfg["n_seqs"] * Hq,)  # noqa: E731
+    _fwd[grid](
+        q, k, v, c, out, lse, cfg["cu_seqlens"], cfg["seq_start"],
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *c.stride(),
+        Tq, Tk, cfg["max_q"], Hq, cfg["group"], sm_scale * LOG2E,
+        HEAD_DIM=D, BLOCK_D=cfg["block_d"], IS_VARLEN=cu_seqlens is not None,
+        HAS_SEQ_START=seq_start is not None, DOT_PRECISION=cfg["dot_precision"],
+    )
+    return out, lse
+
+
+def triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens=None, max_seqlen=None,
+                              seq_start=None):
+    """Returns (dq, dk, dv, dc) with dc = dL/dc of shape (B, Tk, Hq) in fp32."""
+    q, k, v, out, do = (_last_dim_contiguous(t) for t in (q, k, v, out, do))
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    cfg = _common(q, k, cu_seqlens, max_seqlen, seq_start)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dc = torch.empty(B, Hq, Tk, device=q.device, dtype=torch.float32)
+    if q.numel() == 0 or cfg["max_q"] == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_(), dc.zero_().transpose(1, 2)
+    delta = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
+    block = 64
+    _bwd_preprocess[(triton.cdiv(Tq, block) * B * Hq,)](
+        out, do, delta, *out.stride()[:3], *do.stride()[:3], Tq, Hq,
+        HEAD_DIM=D, BLOCK_D=cfg["block_d"], BLOCK_M=block,
+    )
+    common = dict(HEAD_DIM=D, BLOCK_D=cfg["block_d"], IS_VARLEN=cu_seqlens is not None,
+                  HAS_SEQ_START=seq_start is not None, DOT_PRECISION=cfg["dot_precision"])
+    grid_kv = lambda meta: (triton.cdiv(cfg["max_k"], meta["BLOCK_N"]) * cfg["n_seqs"] * Hkv,)  # noqa: E731
+    _bwd_kv[grid_kv](
+        q, k, v, c, do, lse, delta, dk, dv, dc, cfg["cu_seqlens"], cfg["seq_start"],
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+        *c.stride(), Tq, Tk, cfg["max_k"], Hq, cfg["group"], sm_scale * LOG2E, sm_scale, **common,
+    )
+    grid_q = lambda meta: (triton.cdiv(cfg["max_q"], meta["BLOCK_M"]) * cfg["n_seqs"] * Hq,)  # noqa: E731
+    _bwd_q[grid_q](
+        q, k, v, c, do, lse, delta, dq, cfg["cu_seqlens"], cfg["seq_start"],
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *c.stride(),
+        Tq, Tk, cfg["max_q"], Hq, cfg["group"], sm_scale * LOG2E, sm_scale, **common,
+    )
+    return dq, dk, dv, dc.transpose(1, 2)
+
+
+def forgetting_attention_triton(q, k, v, log_fgate=None, *, fgate_cumsum=None, sm_scale=None, cu_seqlens=None,
+                                max_seqlen=None, seq_start=None):
+    """Triton Forgetting Attention, differentiable; the same as `forgetting_attention(..., backend="triton")`."""
+    from .interface import forgetting_attention
+
+    return forgetting_attention(q, k, v, log_fgate, fgate_cumsum=fgate_cumsum, sm_scale=sm_scale,
+                                cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, seq_start=seq_start, backend="triton")

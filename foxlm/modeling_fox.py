@@ -1,0 +1,625 @@
+"""PyTorch Forgetting Transformer (FoX), after transformers' LLaMA: norm, MLP, forget gate, attention, decoder
+layer, pretrained base, model, heads, and the cache layer that keeps the forget gate's running sum.
+
+The attention is LLaMA's with one addition, a forget gate per head: `log f_t = logsigmoid(w . x_t + b)` and
+`o_i = sum_j softmax_j(q_i . k_j / sqrt(d) + c_i - c_j) v_j` with `c` the cumulative sum of `log f`. It needs no
+position embedding. FoX (Pro) adds QK-norm, an output norm and gate, and a token shift of keys and values.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_fox import FoxConfig
+from .kernels.interface import forgetting_attention
+from .remote_code import AUTO_MAP, write_remote_code
+
+
+class FoxRMSNorm(nn.Module):
+    """RMSNorm over the last dimension, as LLaMA's."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class FoxHeadRMSNorm(FoxRMSNorm):
+    """RMSNorm of each head's vector (..., heads, head_dim), one scale per head and channel (QK-norm, output norm)."""
+
+    def __init__(self, num_heads, head_dim, eps):
+        super().__init__(num_heads * head_dim, eps)
+        self.num_heads, self.head_dim = num_heads, head_dim
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight.view(self.num_heads, self.head_dim) * hidden_states.to(input_dtype)
+
+
+class FoxMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def fgate_bias_init_values(config, num_heads):
+    """Initial forget-gate bias per head.
+
+    With a decay-time range, head h gets time constant `tau_h` log-spaced over [T_min, T_max] and
+    `b_h = -log(expm1(1 / tau_h))`, so that `sigmoid(b_h) = exp(-1 / tau_h)`. Otherwise every head gets
+    `fgate_bias_init` (0 by default, the paper's f = 0.5 at initialisation).
+    """
+    if config.decay_time_min is not None:
+        tau = torch.logspace(
+            math.log10(config.decay_time_min), math.log10(config.decay_time_max), num_heads, dtype=torch.float64
+        )
+        return (-torch.log(torch.expm1(1.0 / tau))).float()
+    return torch.full((num_heads,), float(config.fgate_bias_init or 0.0))
+
+
+class FoxForgetGateProj(nn.Linear):
+    """Data-dependent forget gate logits `w . x + b`, one per query head.
+
+    A class of its own so that `_init_weights` can give the bias its configured value: transformers skips
+    initialisation branches on container modules of out-of-tree models.
+    """
+
+
+class FoxForgetGateBias(nn.Module):
+    """Data-independent forget gate: one logit per head, learned (`trainable`) or a fixed, saved buffer."""
+
+    def __init__(self, num_heads, trainable):
+        super().__init__()
+        if trainable:
+            self.bias = nn.Parameter(torch.zeros(num_heads))
+        else:
+            self.register_buffer("bias", torch.zeros(num_heads))
+
+    def forward(self, x):
+        return self.bias.expand(*x.shape[:-1], -1)
+
+
+class FoxShiftProj(nn.Linear):
+    """Token-shift mixing logits `w . x` (no bias), one per key/value head (FoX Pro K/V shift)."""
+
+
+def token_shift(raw, alpha, previous, doc_start):
+    """`out_t = alpha_t * raw_{t-1} + (1 - alpha_t) * raw_t` along dim 1.
+
+    raw (B, T, H, D); alpha (B, T, H, 1) fp32; previous (B, 1, H, D): the raw projection of the token before this
+    chunk (a cache's shift state; zeros at the start); doc_start (B, T) bool or None: tokens that begin a packed
+    document, whose previous token is taken as zero.
+    """
+    shifted = torch.cat([previous.to(raw.dtype), raw[:, :-1]], dim=1)
+    if doc_start is not None:
+        shifted = shifted.masked_fill(doc_start[:, :, None, None], 0.0)
+    return (alpha * shifted.float() + (1 - alpha) * raw.float()).to(raw.dtype)
+
+
+@dataclass
+class FoxAttentionLayout:
+    """How tokens relate to each other in one forward, computed once per model forward and shared by all layers.
+
+    Attributes:
+        seq_start: (B,) left padding: number of pad positions before each sequence's first real key.
+        token_mask: (B, T) bool, False at padded positions of the current tokens.
+        cu_seqlens: (N + 1,) int32 boundaries of packed documents over the flattened (B * T) tokens.
+        doc_start: (B, T) bool, True where a packed document begins (the token shift restarts there).
+    """
+
+    seq_start: torch.Tensor | None = None
+    token_mask: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int | None = None
+    doc_start: torch.Tensor | None = None
+
+
+class FoxAttention(nn.Module):
+    """Multi-head (GQA) Forgetting Attention with the optional FoX (Pro) parts."""
+
+    def __init__(self, config: FoxConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        hidden, bias = config.hidden_size, config.attention_bias
+
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+
+        self.fgate_proj = self.fgate_bias = None
+        if config.fgate_type == "data_dependent":
+            self.fgate_proj = FoxForgetGateProj(hidden, self.num_heads, bias=True)
+        elif config.fgate_type in ("data_independent", "fixed"):
+            self.fgate_bias = FoxForgetGateBias(self.num_heads, trainable=config.fgate_type == "data_independent")
+
+        self.k_shift_proj = FoxShiftProj(hidden, self.num_kv_heads, bias=False) if config.use_k_shift else None
+        self.v_shift_proj = FoxShiftProj(hidden, self.num_kv_heads, bias=False) if config.use_v_shift else None
+        if config.qk_norm:
+            self.q_norm = FoxHeadRMSNorm(self.num_heads, self.head_dim, config.qk_norm_eps)
+            self.k_norm = FoxHeadRMSNorm(self.num_kv_heads, self.head_dim, config.qk_norm_eps)
+        self.output_norm = (
+            FoxHeadRMSNorm(self.num_heads, self.head_dim, config.rms_norm_eps) if config.use_output_norm else None
+        )
+        self.ogate_proj = (
+            nn.Linear(hidden, self.num_heads * self.head_dim, bias=False) if config.use_output_gate else None
+        )
+
+    def log_fgate(self, hidden_states):
+        """log f (B, T, heads) in fp32; zeros (no forgetting) without a gate."""
+        if self.fgate_proj is not None:
+            return F.logsigmoid(self.fgate_proj(hidden_states).float())
+        if self.fgate_bias is not None:
+            return F.logsigmoid(self.fgate_bias(hidden_states).float())
+        return hidden_states.new_zeros(*hidden_states.shape[:-1], self.num_heads, dtype=torch.float32)
+
+    def _token_shift(self, shift_proj, raw, name, hidden_states, cache_layer, layout):
+        previous = cache_layer.shift_state(name, raw) if cache_layer is not None else torch.zeros_like(raw[:, :1])
+        alpha = torch.sigmoid(shift_proj(hidden_states).float())[..., None]
+        return token_shift(raw, alpha, previous, layout.doc_start)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        layout: FoxAttentionLayout,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        B, T, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
+        log_fgate = self.log_fgate(hidden_states)
+        if layout.token_mask is not None:
+            # Padded positions must not reach real tokens through the token shift or the gate's running sum.
+            keep = layout.token_mask[:, :, None]
+            k, v, log_fgate = k * keep[..., None], v * keep[..., None], log_fgate * keep
+
+        cache_layer = None
+        if past_key_values is not None:
+            if self.layer_idx >= len(past_key_values.layers) or not isinstance(
+                past_key_values.layers[self.layer_idx], FoxCacheLayer
+            ):
+                raise TypeError(
+                    "FoX needs FoxCacheLayer cache layers: pass `DynamicCache(config=model.config)` (what generate() "
+                    f"builds), not {type(past_key_values).__name__} without the model config."
+                )
+            cache_layer = past_key_values.layers[self.layer_idx]
+
+        has_shift = self.k_shift_proj is not None or self.v_shift_proj is not None
+        raw_k, raw_v = (k, v) if has_shift else (None, None)
+        if self.k_shift_proj is not None:
+            k = self._token_shift(self.k_shift_proj, raw_k, "keys", hidden_states, cache_layer, layout)
+        if self.v_shift_proj is not None:
+            v = self._token_shift(self.v_shift_proj, raw_v, "values", hidden_states, cache_layer, layout)
+
+        if self.config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+
+        attention_kwargs = dict(sm_scale=self.scaling, backend=self.config.attention_backend)
+        if cache_layer is not None:
+            keys, values, fgate_cumsum = cache_layer.update_fox(
+                k.transpose(1, 2), v.transpose(1, 2), log_fgate.transpose(1, 2), raw_k, raw_v
+            )
+            out = forgetting_attention(
+                q, keys.transpose(1, 2), values.transpose(1, 2), fgate_cumsum=fgate_cumsum.transpose(1, 2),
+                seq_start=layout.seq_start, **attention_kwargs,
+            )
+        elif layout.cu_seqlens is not None:
+            flat = lambda t: t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
+            out = forgetting_attention(
+                flat(q), flat(k), flat(v), flat(log_fgate), cu_seqlens=layout.cu_seqlens,
+                max_seqlen=layout.max_seqlen, **attention_kwargs,
+            ).view(B, T, self.num_heads, self.head_dim)
+        else:
+            out = forgetting_attention(q, k, v, log_fgate, seq_start=layout.seq_start, **attention_kwargs)
+
+        if self.output_norm is not None:
+            out = self.output_norm(out)
+        out = out.reshape(B, T, self.num_heads * self.head_dim)
+        if self.ogate_proj is not None:
+            out = out * torch.sigmoid(self.ogate_proj(hidden_states))
+        if self.training and self.attention_dropout:
+            out = F.dropout(out, p=self.attention_dropout)
+        return self.o_proj(out), None
+
+
+class FoxDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: FoxConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.self_attn = FoxAttention(config=config, layer_idx=layer_idx)
+        self.mlp = FoxMLP(config)
+        self.input_layernorm = FoxRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = FoxRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        layout: FoxAttentionLayout,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states,
+            layout=layout,
+            position_embeddings=position_embeddings,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+
+class FoxPreTrainedModel(PreTrainedModel):
+    config: FoxConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["FoxDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = False
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _can_compile_fullgraph = False
+    _supports_attention_backend = False
+    _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq"]
+    _can_record_outputs = {"hidden_states": FoxDecoderLayer}
+
+    def save_pretrained(self, save_directory, *args, save_remote_code=True, **kwargs):
+        """`PreTrainedModel.save_pretrained` that also writes the model's code beside the weights (unless
+        `save_remote_code=False`), so the folder loads with `trust_remote_code=True` where foxlm is not installed.
+        `push_to_hub` saves through here, so Hub repositories carry the code too."""
+        if save_remote_code:
+            self.config.auto_map = dict(AUTO_MAP)
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if save_remote_code and kwargs.get("is_main_process", True):
+            write_remote_code(save_directory)
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, FoxForgetGateProj):
+            init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+            init.copy_(module.bias, fgate_bias_init_values(self.config, module.out_features))
+        elif isinstance(module, FoxForgetGateBias):
+            init.copy_(module.bias, fgate_bias_init_values(self.config, module.bias.numel()))
+        elif isinstance(module, FoxRMSNorm):
+            init.ones_(module.weight)
+
+
+class FoxModel(FoxPreTrainedModel):
+    def __init__(self, config: FoxConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [FoxDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = FoxRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # FoX needs no position embedding; RoPE is an option (and what a LLaMA kept with --keep-rope uses).
+        self.rotary_emb = LlamaRotaryEmbedding(config=config) if config.use_rope else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_length
+            position_ids = position_ids.unsqueeze(0)
+
+        layout = attention_layout(attention_mask, position_ids, past_length, inputs_embeds.shape[:2], kwargs)
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
+
+        hidden_states = inputs_embeds
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                layout=layout,
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+
+def attention_layout(attention_mask, position_ids, past_length, batch_and_length, kwargs):
+    """Read padding and packing off the inputs once per forward (see `FoxAttentionLayout`).
+
+    - A 2-D `attention_mask` (B, past + T) of 1s and 0s may pad on the left and on the right, never in between.
+    - Packed documents (padding-free batches, as `DataCollatorWithFlattening` makes them) are recognised from
+      `cu_seq_lens_q` or from `position_ids` restarting at 0, when there is no mask and no cache.
+    """
+    B, T = batch_and_length
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(
+                f"FoX takes a 2-D padding mask (batch, seqlen) of 1s and 0s, got shape {tuple(attention_mask.shape)}."
+            )
+        mask = attention_mask.bool()
+        runs_of_ones = mask[:, 0].long() + (mask[:, 1:] & ~mask[:, :-1]).sum(-1)
+        if bool((runs_of_ones > 1).any()):
+            raise ValueError(
+                "`attention_mask` has padding between real tokens; FoX supports left or right padding only."
+            )
+        if bool(mask.all()):
+            return FoxAttentionLayout()
+        return FoxAttentionLayout(seq_start=(mask.cumsum(-1) == 0).sum(-1), token_mask=mask[:, -T:])
+    if past_length > 0:
+        return FoxAttentionLayout()
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(device=position_ids.device, dtype=torch.int32)
+        doc_start = torch.zeros(B * T, dtype=torch.bool, device=position_ids.device)
+        doc_start[cu_seqlens[:-1].long()] = True
+        doc_start = doc_start.view(B, T)
+    else:
+        doc_start = (position_ids == 0).expand(B, T).clone()
+        doc_start[:, 0] = True
+        if int(doc_start.sum()) == B:
+            return FoxAttentionLayout()
+        starts = doc_start.flatten().nonzero().flatten()
+        cu_seqlens = torch.cat([starts, starts.new_tensor([B * T])]).to(torch.int32)
+    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return FoxAttentionLayout(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, doc_start=doc_start)
+
+
+class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: FoxConfig):
+        super().__init__(config)
+        self.model = FoxModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Token ids for the language-modeling loss (shifted inside, -100 ignored); with `num_items_in_batch`
+            (given by `Trainer`) the loss is a sum divided by that count, right under gradient accumulation.
+        logits_to_keep (`int` or `torch.Tensor`):
+            Compute logits only for the last `logits_to_keep` positions (an int; 0 keeps all) or for the given
+            sequence indices (a 1-D tensor).
+        """
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class FoxForSequenceClassification(GenericForSequenceClassification, FoxPreTrainedModel):
+    def __init__(self, config: FoxConfig):
+        # The generic head builds its body with AutoModel, which Hub remote code cannot resolve: build it here.
+        FoxPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = FoxModel(config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
+
+
+class FoxCacheLayer(DynamicLayer):
+    """KV cache of one FoX layer: keys and values, the forget gate's running sum, and the token-shift state.
+
+    - `keys` / `values` (B, kv_heads, T, head_dim), after shift and QK-norm, as any `DynamicLayer`.
+    - `fgate_cumsum` (B, heads, T) fp32: `c`, the inclusive cumulative sum of log f. A new chunk appends
+      `last + cumsum(log f_new)`, so a decode step costs O(1) gate work instead of a sum over the whole cache.
+    - `shift_keys` / `shift_values` (B, 1, kv_heads, head_dim), only for models with a K/V shift: the raw (pre-shift)
+      projections of the last token, the previous token of the next chunk's token shift. Once `activate_past_recording()` was
+      called (assisted decoding), the raw projections are kept for every later token so that `crop` can roll the
+      shift state back.
+    """
+
+    _layer_type = "fox_attention"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.fgate_cumsum = None
+        self.shift_keys = self.shift_values = None
+        self.record_past = False
+        self.raw_history = None  # {"keys": (B, n, kv_heads, D), "values": ...} raw projections of positions start..
+        self.raw_history_start = 0
+
+    def activate_past_recording(self):
+        self.record_past = True
+
+    def shift_state(self, name, like):
+        """Raw projection (B, 1, kv_heads, D) of the token before the next chunk; zeros for an empty cache."""
+        state = self.shift_keys if name == "keys" else self.shift_values
+        return state if state is not None and self.get_seq_length() > 0 else torch.zeros_like(like[:, :1])
+
+    def update_fox(self, key_states, value_states, log_fgate, raw_keys, raw_values):
+        """Append a chunk and return the full (keys, values, fgate_cumsum).
+
+        key_states / value_states (B, kv_heads, T, D); log_fgate (B, heads, T) fp32; raw_keys / raw_values
+        (B, T, kv_heads, D), the projections before the token shift, or None for a model without one.
+        """
+        empty = self.get_seq_length() == 0
+        keys, values = self.update(key_states, value_states)
+        chunk_cumsum = log_fgate.double().cumsum(-1)
+        if not empty:
+            chunk_cumsum = chunk_cumsum + self.fgate_cumsum[..., -1:].double()
+        chunk_cumsum = chunk_cumsum.float()
+        self.fgate_cumsum = chunk_cumsum if empty else torch.cat([self.fgate_cumsum, chunk_cumsum], dim=-1)
+        if raw_keys is None:
+            return keys, values, self.fgate_cumsum
+        self.shift_keys, self.shift_values = raw_keys[:, -1:], raw_values[:, -1:]
+        if self.record_past:
+            if self.raw_history is None:
+                self.raw_history_start = keys.shape[-2] - key_states.shape[-2]
+                self.raw_history = {"keys": raw_keys, "values": raw_values}
+            else:
+                self.raw_history = {
+                    "keys": torch.cat([self.raw_history["keys"], raw_keys], dim=1),
+                    "values": torch.cat([self.raw_history["values"], raw_values], dim=1),
+                }
+        return keys, values, self.fgate_cumsum
+
+    def reset(self):
+        super().reset()
+        self.fgate_cumsum = self.shift_keys = self.shift_values = self.raw_history = None
+
+    def crop(self, tokens_to_remove):
+        length = self.get_seq_length()
+        if tokens_to_remove > 0:  # transformers < 5.18 passed the length to keep
+            tokens_to_remove = max(0, length - tokens_to_remove)
+        tokens_to_remove = min(abs(tokens_to_remove), length)
+        if tokens_to_remove == 0:
+            return
+        new_length = length - tokens_to_remove
+        self.keys, self.values = self.keys[..., :new_length, :], self.values[..., :new_length, :]
+        self.fgate_cumsum = self.fgate_cumsum[..., :new_length]
+        if self.shift_keys is None:
+            return
+        last = new_length - 1 - self.raw_history_start
+        if new_length > 0 and (self.raw_history is None or not 0 <= last < self.raw_history["keys"].shape[1]):
+            raise RuntimeError(
+                "Cannot crop a FoX cache without the raw projections of the new last token: call "
+                "`activate_past_recording()` before the tokens to crop are added."
+            )
+        if new_length == 0:
+            self.shift_keys = self.shift_values = self.raw_history = None
+            return
+        self.raw_history = {name: raw[:, : last + 1] for name, raw in self.raw_history.items()}
+        self.shift_keys = self.raw_history["keys"][:, last : last + 1]
+        self.shift_values = self.raw_history["values"][:, last : last + 1]
+
+    def _map_state(self, fn, include_kv=True):
+        """Apply `fn` to every per-sequence tensor the layer holds (batch ops, beam reordering, offloading)."""
+        if self.get_seq_length() == 0:
+            return
+        if include_kv:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+        self.fgate_cumsum = fn(self.fgate_cumsum)
+        if self.shift_keys is not None:
+            self.shift_keys, self.shift_values = fn(self.shift_keys), fn(self.shift_values)
+        if self.raw_history is not None:
+            self.raw_history = {name: fn(raw) for name, raw in self.raw_history.items()}
+
+    def reorder_cache(self, beam_idx):
+        self._map_state(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats):
+        self._map_state(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices):
+        self._map_state(lambda t: t[indices])
+
+    def offload(self):
+        super().offload()
+        self._map_state(lambda t: t.to("cpu", non_blocking=True), include_kv=False)
+
+    def prefetch(self):
+        super().prefetch()
+        self._map_state(lambda t: t.to(self.device, non_blocking=True), include_kv=False)
+
+
+__all__ = [
+    "FoxCacheLayer",
+    "FoxForCausalLM",
+    "FoxForSequenceClassification",
+    "FoxModel",
+    "FoxPreTrainedModel",
+]

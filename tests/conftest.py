@@ -1,0 +1,45 @@
+import os
+
+import torch
+
+# Without a GPU, Triton kernels run in its interpreter; the flag must be set before any @triton.jit is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def tiny_config(**overrides):
+    """A FoX (Pro) config small enough for CPU tests: GQA 4/2 heads, every Pro part on."""
+    from foxlm import FoxConfig
+
+    kwargs = dict(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    kwargs.update(overrides)
+    return FoxConfig.fox_pro(**kwargs)
+
+
+def tiny_model(seed=0, **overrides):
+    from foxlm import FoxForCausalLM
+
+    torch.manual_seed(seed)
+    model = FoxForCausalLM(tiny_config(**overrides)).eval()
+    # Random gate biases spread the decay over heads so that the forget gate matters in every test.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = layer.self_attn.fgate_proj
+            if gate is not None:
+                gate.bias.copy_(torch.randn_like(gate.bias) * 2 + 2)
+    return model
+
+
+@pytest.fixture
+def make_config():
+    return tiny_config
+
+
+@pytest.fixture
+def make_model():
+    return tiny_model

@@ -1,0 +1,54 @@
+import pytest
+from huggingface_hub.errors import StrictDataclassClassValidationError
+
+from foxlm import FoxConfig
+
+
+def test_defaults_are_fox_llama_without_rope():
+    config = FoxConfig()
+    assert config.model_type == "fox"
+    assert config.fgate_type == "data_dependent" and not config.use_rope
+    assert not any([config.qk_norm, config.use_output_gate, config.use_output_norm, config.use_k_shift,
+                    config.use_v_shift])
+    assert config.num_key_value_heads == config.num_attention_heads
+    assert config.head_dim == config.hidden_size // config.num_attention_heads
+    assert config.layer_types == ["fox_attention"] * config.num_hidden_layers
+    assert config.acp_eps is None
+
+
+def test_presets_match_the_paper_variants():
+    pro = FoxConfig.fox_pro()
+    assert pro.qk_norm and pro.use_output_gate and pro.use_output_norm and pro.use_k_shift and pro.use_v_shift
+    assert pro.intermediate_size == 3584  # hidden 1536, hidden_ratio 3.5
+    llama = FoxConfig.fox_llama()
+    assert llama.intermediate_size == 4096 and not llama.qk_norm
+    assert FoxConfig.fox_pro(use_k_shift=False, intermediate_size=100).intermediate_size == 100
+
+
+def test_save_and_load_round_trip(tmp_path):
+    config = FoxConfig.fox_pro(hidden_size=64, num_attention_heads=4, num_hidden_layers=3, fgate_type="fixed",
+                               decay_time_min=2.0, decay_time_max=500.0, attention_backend="reference")
+    config.save_pretrained(tmp_path)
+    loaded = FoxConfig.from_pretrained(tmp_path)
+    assert loaded.to_dict() == config.to_dict()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(fgate_type="sigmoid"), "fgate_type"),
+        (dict(num_attention_heads=8, num_key_value_heads=3), "num_key_value_heads"),
+        (dict(fgate_type="none", decay_time_min=1.0, decay_time_max=10.0), "no gate bias"),
+        (dict(decay_time_min=1.0), "both"),
+        (dict(decay_time_min=10.0, decay_time_max=1.0), "decay_time_min <= decay_time_max"),
+        (dict(decay_time_min=1.0, decay_time_max=10.0, fgate_bias_init=3.0), "give one"),
+        (dict(fgate_type="fixed"), "needs its constant"),
+        (dict(attention_backend="flash"), "attention_backend"),
+        (dict(acp_eps=2.0), "acp_eps"),
+        (dict(num_hidden_layers=2, layer_types=["full_attention"] * 2), "fox_attention"),
+        (dict(num_hidden_layers=2, layer_types=["fox_attention"]), "entries for 2 layers"),
+    ],
+)
+def test_invalid_values_raise_clear_errors(kwargs, message):
+    with pytest.raises((ValueError, StrictDataclassClassValidationError), match=message):
+        FoxConfig(**kwargs)

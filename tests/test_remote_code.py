@@ -1,0 +1,50 @@
+"""A saved FoX folder loads with trust_remote_code=True in a Python where foxlm cannot be imported."""
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from foxlm.remote_code import flatten_imports
+
+LOAD_WITHOUT_FOXLM = """
+import sys
+sys.modules["foxlm"] = None  # any `import foxlm` now raises ImportError
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+assert not type(model).__module__.startswith("foxlm"), type(model).__module__
+ids = torch.load(sys.argv[2])
+torch.save(model(ids).logits, sys.argv[3])
+cached = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+torch.save(cached, sys.argv[4])
+"""
+
+
+def test_saved_folder_loads_as_remote_code_without_foxlm(make_model, tmp_path):
+    model = make_model()
+    model.save_pretrained(tmp_path / "model")
+    files = set(os.listdir(tmp_path / "model"))
+    assert {"configuration_fox.py", "modeling_fox.py", "interface.py", "reference.py"} <= files
+    ids = torch.randint(3, 97, (2, 7))
+    torch.save(ids, tmp_path / "ids.pt")
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_FOXLM, str(tmp_path / "model"), str(tmp_path / "ids.pt"),
+         str(tmp_path / "logits.pt"), str(tmp_path / "generated.pt")],
+        check=True, env=env, cwd=tmp_path,
+    )
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), model(ids).logits)
+    expected = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(torch.load(tmp_path / "generated.pt"), expected)
+
+
+def test_save_pretrained_can_leave_the_code_out(make_model, tmp_path):
+    make_model().save_pretrained(tmp_path, save_remote_code=False)
+    assert not list(tmp_path.glob("*.py"))
+
+
+def test_flatten_imports_rewrites_package_relative_imports_only():
+    source = "from .kernels.interface import forgetting_attention\nfrom .reference import x\nimport torch\n"
+    assert flatten_imports(source) == "from .interface import forgetting_attention\nfrom .reference import x\nimport torch\n"
