@@ -21,6 +21,7 @@ from .modeling_fox import (
     FoxPreTrainedModel,
 )
 from .remote_code import write_remote_code
+from .training import fox_lora_config, optimizer_param_groups
 
 __version__ = "0.1.0"
 
@@ -39,5 +40,7 @@ __all__ = [
     "FoxModel",
     "FoxPreTrainedModel",
     "forgetting_attention",
+    "fox_lora_config",
+    "optimizer_param_groups",
     "write_remote_code",
 ]

@@ -371,11 +371,12 @@ class FoxModel(FoxPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        # Only position ids from the caller can mark packed documents; skipping the check otherwise keeps the
+        # plain forward free of host syncs (and of graph breaks under torch.compile).
+        layout = attention_layout(attention_mask, position_ids, past_length, inputs_embeds.shape[:2], kwargs)
         if position_ids is None:
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_length
             position_ids = position_ids.unsqueeze(0)
-
-        layout = attention_layout(attention_mask, position_ids, past_length, inputs_embeds.shape[:2], kwargs)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
 
         hidden_states = inputs_embeds
@@ -413,12 +414,12 @@ def attention_layout(attention_mask, position_ids, past_length, batch_and_length
         if bool(mask.all()):
             return FoxAttentionLayout()
         return FoxAttentionLayout(seq_start=(mask.cumsum(-1) == 0).sum(-1), token_mask=mask[:, -T:])
-    if past_length > 0:
-        return FoxAttentionLayout()
     cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if past_length > 0 or (cu_seqlens is None and position_ids is None):
+        return FoxAttentionLayout()
     if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.to(device=position_ids.device, dtype=torch.int32)
-        doc_start = torch.zeros(B * T, dtype=torch.bool, device=position_ids.device)
+        cu_seqlens = cu_seqlens.to(dtype=torch.int32)
+        doc_start = torch.zeros(B * T, dtype=torch.bool, device=cu_seqlens.device)
         doc_start[cu_seqlens[:-1].long()] = True
         doc_start = doc_start.view(B, T)
     else:

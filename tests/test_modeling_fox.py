@@ -192,3 +192,13 @@ def test_save_and_load_round_trip_is_exact(make_model, tmp_path):
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path)) is FoxForCausalLM
     fixed = copy.deepcopy(model.config)
     assert fixed.to_dict()["fgate_type"] == loaded.config.fgate_type
+
+
+def test_torch_compile_captures_the_training_forward_in_one_graph(make_model):
+    model = make_model().train()
+    ids = torch.randint(3, 97, (2, 16))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    loss = compiled(ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    torch.testing.assert_close(loss, model(ids, labels=ids, use_cache=False).loss)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -48,3 +48,24 @@ def test_save_pretrained_can_leave_the_code_out(make_model, tmp_path):
 def test_flatten_imports_rewrites_package_relative_imports_only():
     source = "from .kernels.interface import forgetting_attention\nfrom .reference import x\nimport torch\n"
     assert flatten_imports(source) == "from .interface import forgetting_attention\nfrom .reference import x\nimport torch\n"
+
+
+def test_push_to_hub_uploads_the_code_with_the_weights(make_model, tmp_path, monkeypatch):
+    # No network here: stand in for the Hub calls and keep what would have been uploaded.
+    import shutil
+    import types
+
+    import transformers.utils.hub as hub
+
+    uploaded = tmp_path / "uploaded"
+    monkeypatch.setattr(hub, "hf_api", lambda: types.SimpleNamespace(
+        create_repo=lambda repo_id, **kwargs: types.SimpleNamespace(repo_id=repo_id)))
+    monkeypatch.setattr(hub, "create_and_tag_model_card", lambda *args, **kwargs: types.SimpleNamespace(
+        save=lambda path: open(path, "w").write("card")))
+    model = make_model()
+    monkeypatch.setattr(type(model), "_upload_modified_files",
+                        lambda self, folder, *args, **kwargs: shutil.copytree(folder, uploaded))
+    model.push_to_hub("someone/tiny-fox")
+    files = {p.name for p in uploaded.iterdir()}
+    assert {"config.json", "model.safetensors", "modeling_fox.py", "configuration_fox.py"} <= files
+    assert '"AutoModelForCausalLM": "modeling_fox.FoxForCausalLM"' in (uploaded / "config.json").read_text()

@@ -1,0 +1,136 @@
+"""Long-context evaluation: the per-token loss curve L(i) and needle-in-a-haystack (easy mode), with plots.
+
+Both work for any causal LM (FoX or not), so a converted model can be compared with its original.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+
+@torch.no_grad()
+def per_token_loss(model, documents, max_length, device=None, desc="per-token loss"):
+    """L(i): the mean next-token loss at each position i over the documents (each truncated to `max_length`).
+
+    Returns (loss, count): float64 arrays of length max_length - 1; position i holds the loss of predicting token
+    i + 1 from tokens 0..i, averaged over the `count[i]` documents long enough to have it.
+    """
+    device = device or next(model.parameters()).device
+    total = np.zeros(max_length - 1)
+    count = np.zeros(max_length - 1)
+    for doc in tqdm(documents, desc=desc):
+        ids = torch.tensor(doc[:max_length], device=device)[None]
+        if ids.shape[1] < 2:
+            continue
+        logits = model(ids, use_cache=False).logits[0, :-1].float()
+        losses = F.cross_entropy(logits, ids[0, 1:], reduction="none").double().cpu().numpy()
+        total[: len(losses)] += losses
+        count[: len(losses)] += 1
+    with np.errstate(invalid="ignore"):
+        return total / count, count
+
+
+def smooth(curve, window=101):
+    """Centred moving average (the paper smooths L(i) over 101 tokens), ignoring NaN positions."""
+    curve = np.asarray(curve, dtype=np.float64)
+    valid = ~np.isnan(curve)
+    kernel = np.ones(window)
+    sums = np.convolve(np.where(valid, curve, 0.0), kernel, mode="same")
+    counts = np.convolve(valid.astype(np.float64), kernel, mode="same")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / counts, np.nan)
+
+
+def band_means(curve, edges):
+    """Mean of `curve` over position bands [a, b) for consecutive `edges`: {"a-b": mean}."""
+    return {f"{a}-{b}": float(np.nanmean(curve[a:b])) for a, b in zip(edges[:-1], edges[1:]) if a < len(curve)}
+
+
+def plot_per_token_loss(curves, path, train_context=None, original_context=None, window=101):
+    """One line per model (smoothed L(i)), log-scaled positions, training contexts marked; saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, curve in curves.items():
+        positions = np.arange(1, len(curve) + 1)
+        ax.plot(positions, smooth(curve, window), label=name, linewidth=1.5)
+    for context, label, style in ((original_context, "original context", ":"), (train_context, "training context",
+                                                                                   "--")):
+        if context:
+            ax.axvline(context, color="grey", linestyle=style, linewidth=1)
+            ax.text(context, ax.get_ylim()[1], f" {label}", va="top", fontsize=8, color="grey")
+    ax.set_xscale("log")
+    ax.set_xlabel("token position i")
+    ax.set_ylabel(f"loss L(i) (moving average over {window} tokens)")
+    ax.set_title("Per-token loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+NEEDLE_QUESTION = "What is the best thing to do in San Francisco? Answer: The best thing to do in San Francisco is"
+NEEDLE_ANSWER = " eat a sandwich and sit in Dolores Park on a sunny day."
+
+
+@torch.no_grad()
+def needle_in_a_haystack(model, tokenizer, haystack_ids, context_lengths, depths, device=None):
+    """Easy-mode needle-in-a-haystack (Qin et al., 2024; the FoX paper's setting for models without instruction
+    tuning): the needle is the question with its answer; the prompt ends with the question; a trial passes when
+    greedy decoding reproduces the answer. Returns a (len(depths), len(context_lengths)) array of 0/1 scores.
+
+    `haystack_ids`: a long token id list the filler is cut from.
+    """
+    device = device or next(model.parameters()).device
+    needle = tokenizer(" " + NEEDLE_QUESTION + NEEDLE_ANSWER + " ", add_special_tokens=False)["input_ids"]
+    question = tokenizer("\n" + NEEDLE_QUESTION, add_special_tokens=False)["input_ids"]
+    answer = tokenizer(NEEDLE_ANSWER, add_special_tokens=False)["input_ids"]
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    scores = np.zeros((len(depths), len(context_lengths)))
+    trials = [(d, c) for d in range(len(depths)) for c in range(len(context_lengths))]
+    for d, c in tqdm(trials, desc="needle"):
+        filler_length = context_lengths[c] - len(bos) - len(needle) - len(question)
+        if filler_length < 0 or filler_length > len(haystack_ids):
+            raise ValueError(f"context length {context_lengths[c]} does not fit the needle and the haystack")
+        filler = haystack_ids[:filler_length]
+        at = int(round(depths[d] * filler_length))
+        prompt = torch.tensor([bos + filler[:at] + needle + filler[at:] + question], device=device)
+        generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=len(answer) + 2,
+                                   do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        text = tokenizer.decode(generated[0, prompt.shape[1] :], skip_special_tokens=True)
+        scores[d, c] = float(NEEDLE_ANSWER.strip().rstrip(".") in text)
+    return scores
+
+
+def plot_needle(scores, context_lengths, depths, path, title="Needle in a haystack (easy mode)"):
+    """Heatmap of pass (1) / fail (0) over depth (rows) and context length (columns); saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1 + 0.6 * len(context_lengths), 1 + 0.4 * len(depths)))
+    ax.imshow(scores, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(context_lengths)), [f"{c // 1024}k" if c >= 1024 else str(c) for c in context_lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_json(data, path):
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    return path

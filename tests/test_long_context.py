@@ -1,0 +1,145 @@
+"""Long-context data, the LoRA setup, and the per-token-loss / needle evaluations."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import PeftModel, get_peft_model
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import DataCollatorWithFlattening, PreTrainedTokenizerFast, Trainer, TrainingArguments
+
+from foxlm.data import is_held_out, pack_into_blocks, padding_free_examples, split_files, stdlib_source_files
+from foxlm.evaluation import (
+    band_means,
+    needle_in_a_haystack,
+    per_token_loss,
+    plot_needle,
+    plot_per_token_loss,
+    smooth,
+)
+from foxlm.training import fox_lora_config, optimizer_param_groups
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer built offline: 256 byte tokens plus <s> and </s>."""
+    vocab = {token: i for i, token in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab.update({"<s>": 256, "</s>": 257})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+
+
+def test_stdlib_split_is_stable_and_disjoint():
+    files = stdlib_source_files()
+    train, held_out = split_files(files)
+    assert len(files) > 50 and held_out and train
+    assert not set(train) & set(held_out)
+    assert all(is_held_out(p) for p in held_out) and not any(is_held_out(p) for p in train)
+
+
+def test_pack_into_blocks_keeps_every_token_in_order():
+    docs = [[1, 5, 6, 2], [1, 7, 2], [1, 8, 9, 10, 2]]
+    blocks = pack_into_blocks(docs, 4)
+    assert blocks.tolist() == [[1, 5, 6, 2], [1, 7, 2, 1], [8, 9, 10, 2]]
+    with pytest.raises(ValueError, match="block"):
+        pack_into_blocks([[1, 2]], 4)
+
+
+def test_padding_free_batches_do_not_leak_across_documents(make_model):
+    model = make_model()
+    docs = [torch.randint(3, 97, (n,)).tolist() for n in (9, 4, 13)]
+    examples = padding_free_examples(docs, max_length=8)
+    assert [len(e["input_ids"]) for e in examples] == [8, 4, 8, 5]  # the 9-token document's 1-token tail dropped
+    batch = DataCollatorWithFlattening()(examples)
+    logits = model(batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
+    start = 0
+    for example in examples:
+        n = len(example["input_ids"])
+        alone = model(torch.tensor([example["input_ids"]])).logits[0]
+        torch.testing.assert_close(logits[start : start + n], alone, rtol=1e-5, atol=1e-5)
+        start += n
+
+
+def test_lora_setup_trains_adapters_and_fox_modules_only_and_round_trips(make_model, tmp_path):
+    base = make_model()
+    ids = torch.randint(3, 97, (1, 12))
+    peft_model = get_peft_model(base, fox_lora_config(base, r=4))
+    trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or "modules_to_save" in n for n in trainable)
+    assert any("fgate_proj" in n and "modules_to_save" in n for n in trainable)
+    assert not any("embed_tokens" in n or "lm_head" in n for n in trainable)
+    with torch.no_grad():  # make the adapter and the gate do something
+        for name, param in peft_model.named_parameters():
+            if param.requires_grad:
+                param.add_(0.05 * torch.randn_like(param))
+    expected = peft_model(ids).logits
+    peft_model.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(make_model(), tmp_path / "adapter")
+    torch.testing.assert_close(reloaded(ids).logits, expected)
+    merged = reloaded.merge_and_unload()
+    torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_optimizer_groups_exempt_biases_norms_and_gate_biases(make_model):
+    model = make_model(fgate_type="data_independent", fgate_bias_init=2.0)
+    decay, no_decay = optimizer_param_groups(model, weight_decay=0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    assert any(n.endswith("fgate_bias.bias") for n in no_decay_names)
+    assert any("norm" in n for n in no_decay_names)
+    assert all(names[id(p)].endswith("weight") and "norm" not in names[id(p)] for p in decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == sum(1 for _ in model.parameters())
+
+
+def test_trainer_on_padding_free_batches_with_lora_lowers_the_loss_and_saves(make_model, tmp_path):
+    model = make_model().train()
+    torch.manual_seed(0)
+    pattern = torch.randint(3, 97, (6,)).tolist()  # a learnable sequence: repeated pattern
+    examples = padding_free_examples([pattern * 5 for _ in range(16)], max_length=24)
+    peft_model = get_peft_model(model, fox_lora_config(model, r=8))
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=5,
+                             learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True)
+    trainer = Trainer(model=peft_model, args=args, train_dataset=examples, data_collator=DataCollatorWithFlattening())
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert losses[-1] < losses[0]
+    trainer.save_model(str(tmp_path / "adapter"))
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_per_token_loss_matches_a_direct_computation(make_model):
+    model = make_model()
+    docs = [torch.randint(3, 97, (n,)).tolist() for n in (12, 7, 20)]
+    curve, count = per_token_loss(model, docs, max_length=16)
+    assert count.tolist() == [3] * 6 + [2] * 5 + [1] * 4
+    direct = []
+    for doc in docs:
+        ids = torch.tensor(doc[:16])
+        logits = model(ids[None]).logits[0, :-1]
+        direct.append(F.cross_entropy(logits, ids[1:], reduction="none"))
+    expected = [np.mean([float(d[i]) for d in direct if len(d) > i]) for i in range(15)]
+    np.testing.assert_allclose(curve, expected, rtol=1e-6)
+    assert band_means(curve, [0, 5, 15]) == pytest.approx({"0-5": np.mean(curve[:5]), "5-15": np.mean(curve[5:])})
+    np.testing.assert_allclose(smooth(np.array([1.0, 2.0, 3.0, np.nan]), window=3), [1.5, 2.0, 2.5, 3.0])
+
+
+def test_plots_are_written_as_png(tmp_path):
+    curves = {"a": np.linspace(3, 2, 500), "b": np.linspace(3, 2.5, 400)}
+    path = plot_per_token_loss(curves, tmp_path / "loss.png", train_context=256, original_context=128)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    path = plot_needle(np.eye(3), [1024, 2048, 4096], [0.0, 0.5, 1.0], tmp_path / "needle.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_needle_scores_have_one_cell_per_depth_and_context(make_config):
+    from foxlm import FoxForCausalLM
+
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    model = FoxForCausalLM(make_config(vocab_size=258, bos_token_id=256, eos_token_id=257, pad_token_id=257)).eval()
+    haystack = tokenizer("def f(x):\n    return x\n" * 40, add_special_tokens=False)["input_ids"]
+    scores = needle_in_a_haystack(model, tokenizer, haystack, context_lengths=[300, 400], depths=[0.0, 0.5, 1.0])
+    assert scores.shape == (3, 2) and set(np.unique(scores)) <= {0.0, 1.0}
+    with pytest.raises(ValueError, match="does not fit"):
+        needle_in_a_haystack(model, tokenizer, haystack, context_lengths=[50], depths=[0.5])
