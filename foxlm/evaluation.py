@@ -10,6 +10,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def load_causal_lm(source, dtype=None, device=None, with_tokenizer=True):
+    """Any causal LM from a folder, a Hub id or a .gguf file (FoX models included), and its tokenizer."""
+    from .conversion.llama import resolve_source
+
+    name_or_path, kwargs = resolve_source(str(source))
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs).eval()
+    if device is not None:
+        model = model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs) if with_tokenizer else None
+    return model, tokenizer
 
 
 @torch.no_grad()
@@ -35,14 +48,19 @@ def per_token_loss(model, documents, max_length, device=None, desc="per-token lo
 
 
 def smooth(curve, window=101):
-    """Centred moving average (the paper smooths L(i) over 101 tokens), ignoring NaN positions."""
+    """Centred moving average over `window` tokens (the paper's smoothing of L(i)), ignoring NaN positions.
+
+    Near the start the window shrinks to about half the position, so a log-scaled plot keeps its early detail.
+    """
     curve = np.asarray(curve, dtype=np.float64)
     valid = ~np.isnan(curve)
-    kernel = np.ones(window)
-    sums = np.convolve(np.where(valid, curve, 0.0), kernel, mode="same")
-    counts = np.convolve(valid.astype(np.float64), kernel, mode="same")
+    sums = np.concatenate([[0.0], np.cumsum(np.where(valid, curve, 0.0))])
+    counts = np.concatenate([[0.0], np.cumsum(valid)])
+    positions = np.arange(len(curve))
+    half = np.minimum(window // 2, positions // 2)
+    lo, hi = np.maximum(positions - half, 0), np.minimum(positions + half + 1, len(curve))
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(counts > 0, sums / counts, np.nan)
+        return (sums[hi] - sums[lo]) / (counts[hi] - counts[lo])
 
 
 def band_means(curve, edges):

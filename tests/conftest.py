@@ -35,6 +35,19 @@ def tiny_model(seed=0, **overrides):
     return model
 
 
+def byte_tokenizer():
+    """A byte-level tokenizer built offline: 256 byte tokens plus <s> and </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab.update({"<s>": 256, "</s>": 257})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+
+
 @pytest.fixture
 def make_config():
     return tiny_config

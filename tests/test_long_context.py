@@ -5,8 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from peft import PeftModel, get_peft_model
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import DataCollatorWithFlattening, PreTrainedTokenizerFast, Trainer, TrainingArguments
+from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from foxlm.data import is_held_out, pack_into_blocks, padding_free_examples, split_files, stdlib_source_files
 from foxlm.evaluation import (
@@ -18,16 +17,6 @@ from foxlm.evaluation import (
     smooth,
 )
 from foxlm.training import fox_lora_config, optimizer_param_groups
-
-
-def byte_tokenizer():
-    """A byte-level tokenizer built offline: 256 byte tokens plus <s> and </s>."""
-    vocab = {token: i for i, token in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    vocab.update({"<s>": 256, "</s>": 257})
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
 
 
 def test_stdlib_split_is_stable_and_disjoint():
@@ -121,7 +110,7 @@ def test_per_token_loss_matches_a_direct_computation(make_model):
     expected = [np.mean([float(d[i]) for d in direct if len(d) > i]) for i in range(15)]
     np.testing.assert_allclose(curve, expected, rtol=1e-6)
     assert band_means(curve, [0, 5, 15]) == pytest.approx({"0-5": np.mean(curve[:5]), "5-15": np.mean(curve[5:])})
-    np.testing.assert_allclose(smooth(np.array([1.0, 2.0, 3.0, np.nan]), window=3), [1.5, 2.0, 2.5, 3.0])
+    np.testing.assert_allclose(smooth(np.array([1.0, 2.0, 3.0, 5.0, np.nan, 7.0]), window=3), [1, 2, 10 / 3, 4, 6, 7])
 
 
 def test_plots_are_written_as_png(tmp_path):
@@ -134,6 +123,8 @@ def test_plots_are_written_as_png(tmp_path):
 
 def test_needle_scores_have_one_cell_per_depth_and_context(make_config):
     from foxlm import FoxForCausalLM
+
+    from conftest import byte_tokenizer
 
     tokenizer = byte_tokenizer()
     torch.manual_seed(0)
