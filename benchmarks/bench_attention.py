@@ -32,14 +32,14 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")  # ms
 
 
-def time_fwd_bwd(forward, inputs, grad_out):
+def time_fwd_bwd(forward, inputs, grad_out, n_differentiated):
     def fwd():
         with torch.no_grad():
             forward(*inputs)
 
     def fwd_bwd():
         out = forward(*inputs)
-        torch.autograd.grad(out, [t for t in inputs if t.requires_grad], grad_out)
+        torch.autograd.grad(out, inputs[:n_differentiated], grad_out)
 
     return bench(fwd), bench(fwd_bwd)
 
@@ -80,6 +80,19 @@ def stage_times(inputs, grad_out, kwargs, iters=10):
     return totals
 
 
+def accuracy(inputs, grad_out, kwargs):
+    """Largest relative error of out, dq, dk, dv, d log f against the float64 reference: the timed configuration
+    (autotuned in this process) is also the checked one."""
+    def run(fn, tensors):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        out = fn(*leaves, **kwargs)
+        return [out, *torch.autograd.grad(out, leaves, grad_out.to(out.dtype))]
+
+    got = run(ours, inputs)
+    want = run(reference, [t.double() for t in inputs])
+    return max(((x.double() - y).norm() / y.norm()).item() for x, y in zip(got, want))
+
+
 def make(B, T, Hq, Hkv, D, dtype=torch.bfloat16):
     q = torch.randn(B, T, Hq, D, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(B, T, Hkv, D, device="cuda", dtype=dtype, requires_grad=True)
@@ -90,8 +103,9 @@ def make(B, T, Hq, Hkv, D, dtype=torch.bfloat16):
 
 def measure(name, fn, inputs, grad_out, flops, kwargs=None):
     kwargs = kwargs or {}
+    n_differentiated = 3 if name.startswith("sdpa") else 4  # SDPA has no gate
     try:
-        fwd_ms, fwd_bwd_ms = time_fwd_bwd(lambda *a: fn(*a, **kwargs), inputs, grad_out)
+        fwd_ms, fwd_bwd_ms = time_fwd_bwd(lambda *a: fn(*a, **kwargs), inputs, grad_out, n_differentiated)
     except Exception as error:  # a backend that cannot run this shape (e.g. out of memory) is reported, not fatal
         torch.cuda.empty_cache()
         return {"impl": name, "error": f"{type(error).__name__}: {str(error)[:200]}"}
@@ -102,6 +116,7 @@ def measure(name, fn, inputs, grad_out, flops, kwargs=None):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only T = 4k and 16k")
+    parser.add_argument("--no-reference", action="store_true", help="skip the reference path and accuracy check")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     tokens, hidden = 16384, 2048
@@ -115,16 +130,19 @@ def main():
         entry["results"].append(measure("foxlm-triton", ours, inputs, grad_out, flops, kwargs))
         entry["stages_ms"] = stage_times(inputs, grad_out, kwargs or {})
         if kwargs is None:
-            for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+            for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                                  ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
                 entry["results"].append(measure(name, sdpa(backend, gqa), inputs, grad_out, flops))
         if reference_fits:
             entry["results"].append(measure("foxlm-reference", reference, inputs, grad_out, flops, kwargs))
+            entry["max_rel_err_vs_float64"] = accuracy(inputs, grad_out, kwargs or {})
         rows.append(entry)
         print_row(entry, flops)
 
     for D in (64, 128):
         for T in seqlens:
-            shape_row(f"D{D} T{T // 1024}k", tokens // T, T, hidden // D, hidden // D, D, reference_fits=T <= 4096)
+            shape_row(f"D{D} T{T // 1024}k", tokens // T, T, hidden // D, hidden // D, D,
+                      reference_fits=T <= 4096 and not args.no_reference)
     # Packed documents of uneven lengths (16k tokens), counted as the sum of their own causal FLOPs.
     lengths = [512, 1536, 2048, 4096, 8192]
     cu_seqlens = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
@@ -152,6 +170,8 @@ def _result(entry, impl):
 
 def print_row(entry, flops):
     stages = ", ".join(f"{k} {v:.3f} ms ({_stage_tflops(k, v, flops):.0f} TF/s)" for k, v in entry["stages_ms"].items())
+    if "max_rel_err_vs_float64" in entry:
+        stages += f" | max rel err vs float64 {entry['max_rel_err_vs_float64']:.1e}"
     print(f"{entry['shape']}: " + "; ".join(
         f"{r['impl']} {r['fwd_tflops']:.0f}/{r['fwd_bwd_tflops']:.0f}" if "error" not in r else f"{r['impl']} error"
         for r in entry["results"]) + f" | stages: {stages}", flush=True)
@@ -165,7 +185,8 @@ def _stage_tflops(stage, ms, flops):
 
 
 def print_table(rows):
-    header = "| shape | ours fwd | ours fwd+bwd | cuDNN fwd | cuDNN fwd+bwd | flash fwd | flash fwd+bwd | ref fwd+bwd | fwd+bwd / cuDNN |"
+    header = ("| shape | ours fwd | ours fwd+bwd | cuDNN fwd | cuDNN fwd+bwd | flash fwd | flash fwd+bwd | ref fwd+bwd "
+              "| fwd+bwd / cuDNN |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     for entry in rows:

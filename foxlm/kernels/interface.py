@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .reference import fgate_cumsum_from_log_fgate, forgetting_attention_reference
+from .reference import forgetting_attention_reference
 
 try:
     from .triton_attention import triton_attention_backward, triton_attention_forward
@@ -22,6 +22,7 @@ except ImportError:  # no Triton (CPU-only torch builds, remote code on such mac
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "triton", "reference")
+MAX_TRITON_HEAD_DIM = 256
 _warned_reference_on_gpu = False
 
 
@@ -120,10 +121,14 @@ def forgetting_attention(
         raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}.")
     _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start)
     has_triton = triton_attention_forward is not None
-    # float64 has no tensor-core path; the reference computes it exactly.
-    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and has_triton and q.dtype != torch.float64)
+    # float64 has no tensor-core path and head dims past 256 no kernel configuration: the reference computes them.
+    kernel_fits = q.dtype != torch.float64 and q.shape[-1] <= MAX_TRITON_HEAD_DIM
+    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and has_triton and kernel_fits)
     if use_triton and not has_triton:
         raise RuntimeError("backend='triton' was requested but Triton is not installed.")
+    if use_triton and not kernel_fits:
+        raise ValueError(f"the Triton kernel takes float16/bfloat16/float32 and head_dim <= {MAX_TRITON_HEAD_DIM}, "
+                         f"got {q.dtype} and head_dim {q.shape[-1]}; use backend='reference'.")
     if q.is_cuda and not use_triton:
         global _warned_reference_on_gpu
         if not _warned_reference_on_gpu:
@@ -144,33 +149,46 @@ def forgetting_attention(
 
 
 def _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start):
-    """c in float64, (B, Tk, Hq) contiguous: the kernels subtract float64 anchors from it (fox-reference.md §4)."""
+    """c in float64, laid out (B, Hq, Tk) with unit stride along Tk.
+
+    The kernels read c as contiguous vectors and subtract float64 anchors from it (fox-reference.md §4); scanning
+    the last dim also keeps the cumsum parallel (a scan along dim 1 of (1, T, H) runs on H threads).
+    """
+    gate = gate.transpose(1, 2).double()
     if gate_is_cumsum:
-        return gate.double().contiguous()
-    return fgate_cumsum_from_log_fgate(gate, cu_seqlens=cu_seqlens, seq_start=seq_start).contiguous()
+        return gate.contiguous()
+    positions = torch.arange(gate.shape[2], device=gate.device)
+    if seq_start is not None:  # padded positions contribute nothing
+        gate = gate.masked_fill(positions < seq_start[:, None, None], 0.0)
+    c = gate.cumsum(-1)
+    if cu_seqlens is not None:  # restart at every packed sequence
+        before_start = torch.nn.functional.pad(c, (1, 0))[..., cu_seqlens[:-1].long()]
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        c = c - before_start.repeat_interleave(lengths, dim=-1, output_size=c.shape[-1])
+    return c
 
 
 def _gate_gradient(dc, gate_is_cumsum, cu_seqlens, seq_start):
-    """dL/d(gate) from dL/dc (B, Tk, Hq): dc itself, or for log f the reverse cumsum `d log f_t = sum_{k>=t} dc_k`
-    within each sequence, summed directly in float64 (never `total - prefix` in fp32)."""
+    """dL/d(gate), (B, Tk, Hq), from dL/dc laid out (B, Hq, Tk): dc itself, or for log f the reverse cumsum
+    `d log f_t = sum_{k>=t} dc_k` within each sequence, summed directly in float64 (never `total - prefix` in fp32).
+    """
     if gate_is_cumsum:
-        return dc
-    dc = dc.double()
-    suffix = dc.flip(1).cumsum(1).flip(1)
+        return dc.transpose(1, 2)
+    suffix = dc.double().flip(-1).cumsum(-1).flip(-1)
     if cu_seqlens is not None:
         # Remove what lies beyond each token's own sequence (float64; ~0 anyway, every sequence's dc sums to 0).
-        ends = cu_seqlens[1:].long()
+        beyond = torch.nn.functional.pad(suffix, (0, 1))[..., cu_seqlens[1:].long()]
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        padded = torch.cat([suffix, suffix.new_zeros(suffix.shape[0], 1, suffix.shape[2])], dim=1)
-        suffix = suffix - padded[:, ends].repeat_interleave(lengths, dim=1, output_size=suffix.shape[1])
+        suffix = suffix - beyond.repeat_interleave(lengths, dim=-1, output_size=suffix.shape[-1])
     if seq_start is not None:
-        positions = torch.arange(dc.shape[1], device=dc.device)
-        suffix = suffix.masked_fill((positions[None, :] < seq_start[:, None])[..., None], 0.0)
-    return suffix
+        positions = torch.arange(dc.shape[2], device=dc.device)
+        suffix = suffix.masked_fill(positions < seq_start[:, None, None], 0.0)
+    return suffix.transpose(1, 2)
 
 
 def _reference_backward(do, q, k, v, c, sm_scale, seq_start):
-    """Explicit gradients of the reference for one dense batch: (dq, dk, dv, dL/dc), query chunk by query chunk.
+    """Explicit gradients of the reference for one dense batch: (dq, dk, dv, dL/dc), query chunk by query chunk;
+    c and dL/dc laid out (B, Hq, Tk).
 
     Written out rather than recomputed under autograd because autograd does not run inside a custom op's kernel.
     """
@@ -182,7 +200,7 @@ def _reference_backward(do, q, k, v, c, sm_scale, seq_start):
     dog = do.to(dtype).view(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4)
     kg = k.to(dtype).permute(0, 2, 1, 3).unsqueeze(2)
     vg = v.to(dtype).permute(0, 2, 1, 3).unsqueeze(2)
-    cg = c.view(B, Tk, Hkv, group).permute(0, 2, 3, 1)
+    cg = c.view(B, Hkv, group, Tk)
     key_valid = torch.ones(B, Tk, dtype=torch.bool, device=q.device)
     if seq_start is not None:
         key_valid = torch.arange(Tk, device=q.device)[None, :] >= seq_start[:, None]
@@ -195,7 +213,8 @@ def _reference_backward(do, q, k, v, c, sm_scale, seq_start):
         end = min(start + chunk, Tq)
         n = offset + end
         anchor = cg[..., offset + start : offset + start + 1]
-        bias = (cg[..., offset + start : offset + end, None] - anchor[..., None]) - (cg[..., None, :n] - anchor[..., None])
+        bias = cg[..., offset + start : offset + end, None] - anchor[..., None]
+        bias = bias - (cg[..., None, :n] - anchor[..., None])
         scores = torch.matmul(qg[:, :, :, start:end], kg[:, :, :, :n].transpose(-1, -2)) * sm_scale + bias.to(dtype)
         causal = torch.arange(n, device=q.device)[None, :] <= torch.arange(offset + start, n, device=q.device)[:, None]
         scores = scores.masked_fill(~(causal[None, None, None] & key_valid[:, None, None, None, :n]), float("-inf"))
@@ -209,7 +228,7 @@ def _reference_backward(do, q, k, v, c, sm_scale, seq_start):
         dc[..., :n] -= ds.sum(-2).to(dc.dtype)
         dc[..., offset + start : offset + end] += ds.sum(-1).to(dc.dtype)
     return (dq.permute(0, 3, 1, 2, 4).reshape(q.shape).to(q.dtype), dk.squeeze(2).transpose(1, 2).to(k.dtype),
-            dv.squeeze(2).transpose(1, 2).to(v.dtype), dc.permute(0, 3, 1, 2).reshape(B, Tk, Hq))
+            dv.squeeze(2).transpose(1, 2).to(v.dtype), dc.reshape(B, Hq, Tk))
 
 
 @torch.library.custom_op("foxlm::forgetting_attention", mutates_args=())
@@ -246,9 +265,9 @@ def _forgetting_attention_backward_op(
         dq, dk, dv, dc = _reference_backward(do, q, k, v, c, sm_scale, seq_start)
     else:
         bounds = cu_seqlens.tolist()
-        pieces = [_reference_backward(do[:, s:e], q[:, s:e], k[:, s:e], v[:, s:e], c[:, s:e], sm_scale, None)
+        pieces = [_reference_backward(do[:, s:e], q[:, s:e], k[:, s:e], v[:, s:e], c[..., s:e], sm_scale, None)
                   for s, e in zip(bounds[:-1], bounds[1:])]
-        dq, dk, dv, dc = (torch.cat(parts, dim=1) for parts in zip(*pieces))
+        dq, dk, dv, dc = (torch.cat(parts, dim=dim) for parts, dim in zip(zip(*pieces), (1, 1, 1, 2)))
     dgate = _gate_gradient(dc, gate_is_cumsum, cu_seqlens, seq_start)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dgate.to(gate.dtype).contiguous()
 

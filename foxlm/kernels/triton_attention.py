@@ -12,9 +12,11 @@ Design (fox-reference.md §3-4):
   into the stored log-sum-exp.
 - Masking rides on the bias vectors: keys before `seq_start` (left padding) get bias +inf, query rows past the end
   get LSE +inf, so off-diagonal blocks need no element-wise mask; only diagonal blocks (their own loop stage) do.
-- Backward: dK/dV programs are key-stationary and loop over the query heads of their GQA group, so dK/dV are reduced
-  in registers (no per-query-head copy). They also own `dc_j = -sum_i dS_ij` (the row sums of dS vanish), so the
-  gate gradient needs no atomics and is deterministic; `d log f` is then a float64 reverse cumsum.
+- Backward, two passes and no atomics (deterministic): the query-stationary dQ pass runs first and also returns
+  `sum_j dS_ij`, which is exactly the error of delta = rowsum(o * do) taken from the rounded output; the
+  key-stationary dK/dV pass then uses the corrected delta. dK/dV programs loop over the query heads of their GQA group,
+  so dK/dV are reduced in registers (no per-query-head copy), and they own `dc_j = -sum_i dS_ij` (the row sums of dS
+  vanish, fox-reference.md §3); `d log f` is then a float64 reverse cumsum.
 - 1-D grids (no 65535 limit on y/z), 64-bit base offsets, heavy causal blocks launched first.
 """
 
@@ -26,6 +28,8 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# FOXLM_AUTOTUNE=0 takes the first (expected best) configuration of each list instead of timing them all.
+_AUTOTUNE = os.environ.get("FOXLM_AUTOTUNE", "1") != "0"
 
 
 @triton.jit
@@ -256,7 +260,7 @@ def _bwd_kv_kernel(Q, K, V, C, DO, LSE, DELTA, DK, DV, DC, CU_SEQLENS, SEQ_START
 
 
 @triton.jit
-def _bwd_q_inner(dq, q, do, q_row, delta, K, V, C, stride_kt, stride_vt, stride_ct, anchor, q_pos, kv_start,
+def _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, stride_kt, stride_vt, stride_ct, anchor, q_pos, kv_start,
                  seq_k, qk_scale, lo, hi, offs_n, offs_d,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                  HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -278,14 +282,15 @@ def _bwd_q_inner(dq, q, do, q_row, delta, K, V, C, stride_kt, stride_vt, stride_
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-    return dq
+        row_err += tl.sum(ds, 1)
+    return dq, row_err
 
 
 @triton.jit
-def _bwd_q_kernel(Q, K, V, C, DO, LSE, DELTA, DQ, CU_SEQLENS, SEQ_START,
+def _bwd_q_kernel(Q, K, V, C, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, SEQ_START,
                   stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                  stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh, stride_cb, stride_ct, stride_ch,
-                  Tq, Tk, max_seqlen_q, num_heads, group, qk_scale, sm_scale,
+                  stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
+                  stride_cb, stride_ct, stride_ch, Tq, Tk, max_seqlen_q, num_heads, group, qk_scale, sm_scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
                   HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -319,22 +324,29 @@ def _bwd_q_kernel(Q, K, V, C, DO, LSE, DELTA, DQ, CU_SEQLENS, SEQ_START,
     q_row = (c_q - anchor).to(tl.float32) * 1.4426950408889634 - lse
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    row_err = tl.zeros([BLOCK_M], tl.float32)
     lo = kv_start // BLOCK_N * BLOCK_N
     diag_lo = tl.maximum(lo, (p_seq + start_m + 1) // BLOCK_N * BLOCK_N)
     hi = tl.minimum(p_seq + start_m + BLOCK_M, seq_k)
-    dq = _bwd_q_inner(dq, q, do, q_row, delta, K, V, C, stride_kt, stride_vt, stride_ct, anchor, q_pos, kv_start,
-                      seq_k, qk_scale, lo, diag_lo, offs_n, offs_d,
-                      HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_SEQ_START, DOT_PRECISION)
-    dq = _bwd_q_inner(dq, q, do, q_row, delta, K, V, C, stride_kt, stride_vt, stride_ct, anchor, q_pos, kv_start,
-                      seq_k, qk_scale, diag_lo, hi, offs_n, offs_d,
-                      HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_SEQ_START, DOT_PRECISION)
+    dq, row_err = _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, stride_kt, stride_vt, stride_ct, anchor,
+                               q_pos, kv_start, seq_k, qk_scale, lo, diag_lo, offs_n, offs_d,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_SEQ_START, DOT_PRECISION)
+    dq, row_err = _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, stride_kt, stride_vt, stride_ct, anchor,
+                               q_pos, kv_start, seq_k, qk_scale, diag_lo, hi, offs_n, offs_d,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_SEQ_START, DOT_PRECISION)
     _store_tile(DQ + batch * stride_dqb + bos * stride_dqt + h * stride_dqh, dq * sm_scale, offs_m, seq_q,
                 stride_dqt, offs_d, HEAD_DIM)
+    # sum_j dS_ij = sum_j P_ij dP_ij - delta_i: zero for the exact delta, but delta comes from the output rounded
+    # to bf16. The dK/dV pass, launched next, uses the corrected delta, so dK and the column sums of dS (hence
+    # d log f) do not inherit that rounding; it matters where P is nearly one-hot (strong decay).
+    tl.store(DELTA_ERR + row + offs_m, row_err, mask=valid_m)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Launch configurations. (BLOCK_M, BLOCK_N, num_warps, num_stages), pruned by head dim; autotuned once per
-# (head dim, dtype). Hopper-first; the smaller entries keep shared memory within Ampere/Ada limits.
+# Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) by padded head dim, the best measured on an H100
+# first (FOXLM_AUTOTUNE=0 takes it alone), autotuned once per (head dim, GQA group, flags, dtypes). Configurations
+# whose pipelined tiles do not fit the device's shared memory are dropped first, so that GPUs with ~100 KB per block
+# (Ada, consumer Blackwell) get smaller tiles instead of an error.
 
 
 def _configs(entries):
@@ -348,42 +360,50 @@ if _INTERPRET:
     _BWD_Q_CONFIGS = {0: _configs([(32, 16, 4, 1)])}
 else:
     _FWD_CONFIGS = {
-        64: _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)]),
-        128: _configs([(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]),
+        64: _configs([(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)]),
+        128: _configs([(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3)]),
         256: _configs([(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)]),
     }
     _BWD_KV_CONFIGS = {
-        64: _configs([(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3)]),
-        128: _configs([(64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2)]),
+        64: _configs([(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 4)]),
+        128: _configs([(64, 64, 4, 2), (32, 64, 4, 4), (32, 128, 4, 4)]),
         256: _configs([(32, 64, 4, 2), (16, 64, 4, 2), (32, 32, 4, 1)]),
     }
     _BWD_Q_CONFIGS = {
-        64: _configs([(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)]),
-        128: _configs([(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2)]),
+        64: _configs([(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 5)]),
+        128: _configs([(64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 4)]),
         256: _configs([(64, 32, 4, 2), (64, 16, 4, 2), (32, 32, 4, 1)]),
     }
+_FALLBACK = _configs([(16, 16, 4, 1)])
 
 
-def _pruner(table):
+def _pruner(table, tile_elements):
+    """Configs for this head dim that fit in shared memory; tile_elements(BLOCK_M, BLOCK_N, BLOCK_D, stages)
+    counts the elements of the tiles a kernel keeps in shared memory."""
+
     def prune(configs, named_args, **kwargs):
         block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-        key = 0 if 0 in table else min(d for d in table if d >= block_d)
-        return table[key]
+        candidates = table[0] if 0 in table else table[min(d for d in table if d >= block_d)]
+        if not _INTERPRET:
+            q = named_args["Q"]
+            limit = triton.runtime.driver.active.utils.get_device_properties(q.device.index)["max_shared_mem"]
+            candidates = [c for c in candidates if q.element_size() * tile_elements(
+                c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], block_d, c.num_stages) <= limit] or _FALLBACK
+        return candidates if _AUTOTUNE else candidates[:1]
 
     return prune
 
 
-def _all(table):
-    return [c for configs in table.values() for c in configs]
+def _autotuned(kernel, table, tile_elements):
+    configs = [c for entries in table.values() for c in entries] + _FALLBACK
+    return triton.autotune(configs, key=["BLOCK_D", "group", "HAS_SEQ_START", "IS_VARLEN"],
+                           prune_configs_by={"early_config_prune": _pruner(table, tile_elements)})(kernel)
 
 
-_KEY = ["BLOCK_D", "group", "HAS_SEQ_START", "IS_VARLEN"]
-_fwd = triton.autotune(_all(_FWD_CONFIGS), key=_KEY, prune_configs_by={"early_config_prune": _pruner(_FWD_CONFIGS)})(
-    _fwd_kernel)
-_bwd_kv = triton.autotune(_all(_BWD_KV_CONFIGS), key=_KEY,
-                          prune_configs_by={"early_config_prune": _pruner(_BWD_KV_CONFIGS)})(_bwd_kv_kernel)
-_bwd_q = triton.autotune(_all(_BWD_Q_CONFIGS), key=_KEY,
-                         prune_configs_by={"early_config_prune": _pruner(_BWD_Q_CONFIGS)})(_bwd_q_kernel)
+# Forward: Q resident, K and V pipelined. dK/dV: K and V resident, Q and dO pipelined. dQ: Q and dO resident.
+_fwd = _autotuned(_fwd_kernel, _FWD_CONFIGS, lambda m, n, d, stages: m * d + stages * 2 * n * d)
+_bwd_kv = _autotuned(_bwd_kv_kernel, _BWD_KV_CONFIGS, lambda m, n, d, stages: 2 * n * d + stages * 2 * m * d)
+_bwd_q = _autotuned(_bwd_q_kernel, _BWD_Q_CONFIGS, lambda m, n, d, stages: 2 * m * d + stages * 2 * n * d)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -414,8 +434,8 @@ def _common(q, k, cu_seqlens, max_seqlen, seq_start):
 
 
 def triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens=None, max_seqlen=None, seq_start=None):
-    """Returns (out (B, Tq, Hq, D), lse (B, Hq, Tq) fp32 in the log2 domain). `c` is the float64 cumsum of log f,
-    (B, Tk, Hq); the other arguments are those of `forgetting_attention`."""
+    """Returns (out (B, Tq, Hq, D), lse (B, Hq, Tq) fp32 in the log2 domain). `c` is the float64 cumsum of log f
+    laid out (B, Hq, Tk) with unit stride along Tk; the other arguments are those of `forgetting_attention`."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, Tq, Hq, D = q.shape
     Tk = k.shape[1]
@@ -427,7 +447,7 @@ def triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens=None, max_seqlen=N
     grid = lambda meta: (triton.cdiv(cfg["max_q"], meta["BLOCK_M"]) * cfg["n_seqs"] * Hq,)  # noqa: E731
     _fwd[grid](
         q, k, v, c, out, lse, cfg["cu_seqlens"], cfg["seq_start"],
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *c.stride(),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], c.stride(0), c.stride(2), c.stride(1),
         Tq, Tk, cfg["max_q"], Hq, cfg["group"], sm_scale * LOG2E,
         HEAD_DIM=D, BLOCK_D=cfg["block_d"], IS_VARLEN=cu_seqlens is not None,
         HAS_SEQ_START=seq_start is not None, DOT_PRECISION=cfg["dot_precision"],
@@ -437,7 +457,7 @@ def triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens=None, max_seqlen=N
 
 def triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens=None, max_seqlen=None,
                               seq_start=None):
-    """Returns (dq, dk, dv, dc) with dc = dL/dc of shape (B, Tk, Hq) in fp32."""
+    """Returns (dq, dk, dv, dc) with dc = dL/dc of shape (B, Hq, Tk) in fp32."""
     q, k, v, out, do = (_last_dim_contiguous(t) for t in (q, k, v, out, do))
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
@@ -447,8 +467,9 @@ def triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens=Non
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     dc = torch.empty(B, Hq, Tk, device=q.device, dtype=torch.float32)
     if q.numel() == 0 or cfg["max_q"] == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_(), dc.zero_().transpose(1, 2)
+        return dq.zero_(), dk.zero_(), dv.zero_(), dc.zero_()
     delta = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
+    delta_err = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
     block = 64
     _bwd_preprocess[(triton.cdiv(Tq, block) * B * Hq,)](
         out, do, delta, *out.stride()[:3], *do.stride()[:3], Tq, Hq,
@@ -456,19 +477,21 @@ def triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens=Non
     )
     common = dict(HEAD_DIM=D, BLOCK_D=cfg["block_d"], IS_VARLEN=cu_seqlens is not None,
                   HAS_SEQ_START=seq_start is not None, DOT_PRECISION=cfg["dot_precision"])
+    c_strides = (c.stride(0), c.stride(2), c.stride(1))
+    grid_q = lambda meta: (triton.cdiv(cfg["max_q"], meta["BLOCK_M"]) * cfg["n_seqs"] * Hq,)  # noqa: E731
+    _bwd_q[grid_q](
+        q, k, v, c, do, lse, delta, dq, delta_err, cfg["cu_seqlens"], cfg["seq_start"],
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *c_strides,
+        Tq, Tk, cfg["max_q"], Hq, cfg["group"], sm_scale * LOG2E, sm_scale, **common,
+    )
+    delta += delta_err
     grid_kv = lambda meta: (triton.cdiv(cfg["max_k"], meta["BLOCK_N"]) * cfg["n_seqs"] * Hkv,)  # noqa: E731
     _bwd_kv[grid_kv](
         q, k, v, c, do, lse, delta, dk, dv, dc, cfg["cu_seqlens"], cfg["seq_start"],
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-        *c.stride(), Tq, Tk, cfg["max_k"], Hq, cfg["group"], sm_scale * LOG2E, sm_scale, **common,
+        *c_strides, Tq, Tk, cfg["max_k"], Hq, cfg["group"], sm_scale * LOG2E, sm_scale, **common,
     )
-    grid_q = lambda meta: (triton.cdiv(cfg["max_q"], meta["BLOCK_M"]) * cfg["n_seqs"] * Hq,)  # noqa: E731
-    _bwd_q[grid_q](
-        q, k, v, c, do, lse, delta, dq, cfg["cu_seqlens"], cfg["seq_start"],
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *c.stride(),
-        Tq, Tk, cfg["max_q"], Hq, cfg["group"], sm_scale * LOG2E, sm_scale, **common,
-    )
-    return dq, dk, dv, dc.transpose(1, 2)
+    return dq, dk, dv, dc
 
 
 def forgetting_attention_triton(q, k, v, log_fgate=None, *, fgate_cumsum=None, sm_scale=None, cu_seqlens=None,

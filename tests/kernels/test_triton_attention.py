@@ -157,8 +157,10 @@ def test_gradient_flows_to_a_given_cumsum(backend):
     grad_out = torch.randn_like(q)
     got = outputs_and_grads(lambda q, k, v, c: forgetting_attention(q, k, v, fgate_cumsum=c, backend=backend),
                             (q, k, v, c), grad_out)
-    want = outputs_and_grads(lambda q, k, v, c: naive_forgetting_attention(q, k, v, torch.diff(c, dim=1, prepend=c[:, :1] * 0)),
-                             (q, k, v, c.double()), grad_out.double())
+    def naive_from_cumsum(q, k, v, c):
+        return naive_forgetting_attention(q, k, v, torch.diff(c, dim=1, prepend=torch.zeros_like(c[:, :1])))
+
+    want = outputs_and_grads(naive_from_cumsum, (q, k, v, c.double()), grad_out.double())
     for x, ref in zip(got, want):
         assert relative_error(x, ref) < 1e-4
     # The total key-side gradient is zero (fox-reference.md §3).
@@ -200,3 +202,18 @@ def test_custom_op_registrations():
                  (q, k, v, log_fgate.cumsum(1), True, 0.25, None, None, torch.tensor([3]), False)]:
         args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
         torch.library.opcheck(torch.ops.foxlm.forgetting_attention, args)
+
+
+def test_custom_op_registrations_on_the_triton_path():
+    q, k, v, log_fgate = make_inputs(1, 20, 20, 2, 1, 16)
+    args = (q, k, v, log_fgate, False, 0.25, None, None, None, True)
+    args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    torch.library.opcheck(torch.ops.foxlm.forgetting_attention, args)
+
+
+def test_triton_backend_rejects_what_it_cannot_run():
+    q, k, v, log_fgate = make_inputs(1, 4, 4, 1, 1, 272)
+    with pytest.raises(ValueError, match="head_dim <= 256"):
+        forgetting_attention(q, k, v, log_fgate, backend="triton")
+    with pytest.raises(ValueError, match="float64"):
+        forgetting_attention(q.double(), k.double(), v.double(), log_fgate, backend="triton")
