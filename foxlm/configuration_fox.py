@@ -46,7 +46,13 @@ class FoxConfig(PreTrainedConfig):
             Token shift of keys / values (FoX Pro): `k_t <- a_t k_{t-1} + (1 - a_t) k_t`, `a_t = sigmoid(w . x_t)`
             per head.
         acp_eps (`float`, *optional*):
-            Adaptive Computation Pruning tolerance (pruned attention mass per query <= eps). Reserved: not used yet.
+            Adaptive Computation Pruning tolerance (pruned attention mass per query <= eps). At decode time (a few
+            new tokens against a cache), keys whose decay `c_q - c_k` is below `delta = -2U - log L + log eps` are
+            skipped and never read (fox-reference.md §5).
+        decode_kv_eviction (`bool`, defaults to `False`):
+            Drop cached keys/values that ACP proves negligible for every future query (tolerance `acp_eps`, e^-10
+            if unset), per KV head: heads that forget fast then keep a bounded cache. Needs `qk_norm`, whose scales
+            bound `|q.k|` for queries not seen yet. Exact up to eps for sequences up to `max_position_embeddings`.
         attention_backend (`str`, defaults to `"auto"`):
             `"auto"` runs the Triton kernel on CUDA and the PyTorch reference elsewhere; `"triton"` or `"reference"`
             force one.
@@ -113,6 +119,7 @@ class FoxConfig(PreTrainedConfig):
     use_k_shift: bool = False
     use_v_shift: bool = False
     acp_eps: int | float | None = None
+    decode_kv_eviction: bool = False
     attention_backend: str = "auto"
     layer_types: list[str] | None = None
 
@@ -168,6 +175,8 @@ class FoxConfig(PreTrainedConfig):
             )
         if self.acp_eps is not None and not 0 < self.acp_eps < 1:
             raise ValueError(f"`acp_eps` must be in (0, 1) or None, got {self.acp_eps}.")
+        if self.decode_kv_eviction and not self.qk_norm:
+            raise ValueError("`decode_kv_eviction` needs `qk_norm=True`: only QK-norm bounds |q.k| for future queries.")
         if self.hidden_act not in ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu"):
             raise ValueError(f"`hidden_act` {self.hidden_act!r} is not a supported gated-MLP activation.")
 

@@ -26,6 +26,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_fox import FoxConfig
+from .kernels.decode import MAX_DECODE_QUERIES, forgetting_decode
 from .kernels.interface import forgetting_attention
 from .remote_code import AUTO_MAP, write_remote_code
 
@@ -198,6 +199,59 @@ class FoxAttention(nn.Module):
         alpha = torch.sigmoid(shift_proj(hidden_states).float())[..., None]
         return token_shift(raw, alpha, previous, layout.doc_start)
 
+    def _acp_bound(self, q, cache_layer):
+        """U >= |sm_scale q.k| per (batch, query head) (fox-reference.md §5): from the QK-norm scales (then valid for
+        future queries too), else from the largest norms of the new queries and of every cached key."""
+        group = self.num_heads // self.num_kv_heads
+        if self.config.qk_norm:
+            # An RMSNorm output has norm <= max|w| sqrt(d); 2^-7 covers its rounding to bf16. RoPE keeps norms.
+            w_q = self.q_norm.weight.detach().view(self.num_heads, -1).abs().amax(-1).float()
+            w_k = self.k_norm.weight.detach().view(self.num_kv_heads, -1).abs().amax(-1).float()
+            u = w_q * w_k.repeat_interleave(group) * self.head_dim * self.scaling * (1 + 2**-7)
+            return u.expand(q.shape[0], -1)
+        q_norm = q.detach().float().norm(dim=-1).amax(1)
+        return q_norm * cache_layer.key_norm_max.repeat_interleave(group, dim=1) * self.scaling
+
+    def _cached_attention(self, q, k, v, log_fgate, raw_k, raw_v, cache_layer, layout):
+        """Attention of the new tokens against the cache: the prefill kernel for a first or long chunk, the decode
+        kernel for a few tokens (with ACP when `acp_eps` is set), then (with eviction) dropping what ACP proves
+        negligible for good."""
+        T = q.shape[1]
+        past = cache_layer.get_seq_length()
+        eps = self.config.acp_eps
+        evict_delta = None
+        if self.config.decode_kv_eviction:
+            eps = eps or math.exp(-10)
+            # log L over the longest sequence the model is meant for: the bound then holds for every later query.
+            horizon = max(self.config.max_position_embeddings, past + T)
+            evict_delta = -2 * self._acp_bound(q, cache_layer) + (math.log(eps) - math.log(horizon))
+        cache_layer.update_fox(k.transpose(1, 2), v.transpose(1, 2), log_fgate.transpose(1, 2), raw_k, raw_v,
+                               evict_delta=evict_delta, track_key_norm=eps is not None and not self.config.qk_norm)
+        kwargs = dict(sm_scale=self.scaling, backend=self.config.attention_backend)
+        if past == 0:
+            # A whole prompt: the kernel sums log f itself in float64, exact however long the prompt.
+            return forgetting_attention(q, k, v, log_fgate, seq_start=layout.seq_start, **kwargs)
+        decode = T <= MAX_DECODE_QUERIES
+        acp_delta = None
+        if decode and eps is not None:
+            acp_delta = -2 * self._acp_bound(q, cache_layer) + (math.log(eps) - math.log(past + T))
+        outs, first_head = [], 0
+        for keys, values, fgate_cumsum, evicted in cache_layer.kv_groups():
+            heads = slice(first_head, first_head + fgate_cumsum.shape[1])
+            first_head = heads.stop
+            seq_start = layout.seq_start
+            if seq_start is not None and evicted:
+                seq_start = (seq_start - evicted).clamp_min(0)
+            args = (q[:, :, heads], keys.transpose(1, 2), values.transpose(1, 2))
+            if decode:
+                delta = None if acp_delta is None else acp_delta[:, heads]
+                outs.append(forgetting_decode(*args, fgate_cumsum.transpose(1, 2), seq_start=seq_start,
+                                              acp_delta=delta, **kwargs))
+            else:
+                outs.append(forgetting_attention(*args, fgate_cumsum=fgate_cumsum.transpose(1, 2),
+                                                 seq_start=seq_start, **kwargs))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -242,13 +296,7 @@ class FoxAttention(nn.Module):
 
         attention_kwargs = dict(sm_scale=self.scaling, backend=self.config.attention_backend)
         if cache_layer is not None:
-            keys, values, fgate_cumsum = cache_layer.update_fox(
-                k.transpose(1, 2), v.transpose(1, 2), log_fgate.transpose(1, 2), raw_k, raw_v
-            )
-            out = forgetting_attention(
-                q, keys.transpose(1, 2), values.transpose(1, 2), fgate_cumsum=fgate_cumsum.transpose(1, 2),
-                seq_start=layout.seq_start, **attention_kwargs,
-            )
+            out = self._cached_attention(q, k, v, log_fgate, raw_k, raw_v, cache_layer, layout)
         elif layout.cu_seqlens is not None:
             flat = lambda t: t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
             out = forgetting_attention(
@@ -507,17 +555,36 @@ class FoxCacheLayer(DynamicLayer):
     - `keys` / `values` (B, kv_heads, T, head_dim), after shift and QK-norm, as any `DynamicLayer`.
     - `fgate_cumsum` (B, heads, T) fp32: `c`, the inclusive cumulative sum of log f. A new chunk appends
       `last + cumsum(log f_new)`, so a decode step costs O(1) gate work instead of a sum over the whole cache.
+      Only differences `c_q - c_k` matter, so when |c| grows past `rebase_at` every row is shifted by its newest
+      value (exact; computed in float64 before rounding): fp32 then keeps the recent, relevant differences precise
+      at any length (|c| ~ 1e5 at 128k tokens of strong decay would leave ~0.01 of error in every bias).
+    - `key_norm_max` (B, kv_heads) fp32: the largest cached key norm, kept for decode-time ACP without QK-norm.
     - `shift_keys` / `shift_values` (B, 1, kv_heads, head_dim), only for models with a K/V shift: the raw (pre-shift)
       projections of the last token, the previous token of the next chunk's token shift. Once `activate_past_recording()` was
       called (assisted decoding), the raw projections are kept for every later token so that `crop` can roll the
       shift state back.
+
+    With KV eviction (`FoxConfig.decode_kv_eviction`) the cache is stored per KV head instead: `head_keys[h]` /
+    `head_values[h]` (B, 1, T_h, head_dim) and `head_fgate_cumsum[h]` (B, group, T_h) hold the last T_h tokens, the
+    first `evicted[h]` having been dropped because ACP proves them negligible for every future query of every
+    sequence and query head of the group. Heads that forget fast so keep a bounded cache while slow heads keep
+    everything, and the memory is really freed (one tensor per KV head; a dense (B, kv_heads, T) tensor would be as
+    long as its slowest head).
     """
 
     _layer_type = "fox_attention"
+    # Host-side checks (rebase, eviction) run at most every `check_interval` tokens: they need a device sync.
+    check_interval = 64
+    rebase_at = 1024.0
+    # Eviction keeps at least the newest `eviction_min_keep` tokens of every head, so `crop` (assisted decoding)
+    # can still roll back that many.
+    eviction_min_keep = 32
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.fgate_cumsum = None
+        self.fgate_cumsum = self.key_norm_max = None
+        self.head_keys = self.head_values = self.head_fgate_cumsum = self.evicted = None
+        self.tokens_since_check = 0
         self.shift_keys = self.shift_values = None
         self.record_past = False
         self.raw_history = None  # {"keys": (B, n, kv_heads, D), "values": ...} raw projections of positions start..
@@ -526,41 +593,117 @@ class FoxCacheLayer(DynamicLayer):
     def activate_past_recording(self):
         self.record_past = True
 
+    def get_seq_length(self):
+        if self.head_keys is not None:
+            return self.evicted[0] + self.head_keys[0].shape[-2]
+        return super().get_seq_length()
+
+    def num_stored_tokens(self):
+        """Tokens held per sequence, summed over KV heads (kv_heads * T without eviction)."""
+        if self.head_keys is not None:
+            return sum(keys.shape[-2] for keys in self.head_keys)
+        return self.keys.shape[1] * self.keys.shape[-2] if self.get_seq_length() else 0
+
+    def kv_groups(self):
+        """(keys, values, fgate_cumsum, evicted) of each independently stored group of KV heads: one group of all
+        heads, or one per KV head with eviction. keys/values (B, kv_heads, T, D), fgate_cumsum (B, heads, T)."""
+        if self.head_keys is None:
+            return [(self.keys, self.values, self.fgate_cumsum, 0)]
+        return list(zip(self.head_keys, self.head_values, self.head_fgate_cumsum, self.evicted))
+
     def shift_state(self, name, like):
         """Raw projection (B, 1, kv_heads, D) of the token before the next chunk; zeros for an empty cache."""
         state = self.shift_keys if name == "keys" else self.shift_values
         return state if state is not None and self.get_seq_length() > 0 else torch.zeros_like(like[:, :1])
 
-    def update_fox(self, key_states, value_states, log_fgate, raw_keys, raw_values):
-        """Append a chunk and return the full (keys, values, fgate_cumsum).
+    def _append_cumsum(self, cumsum, log_fgate, check):
+        """`cumsum` (B, H, T) fp32 or None, extended by the running sum of `log_fgate` (B, H, n); rebased if due."""
+        if cumsum is not None and log_fgate.shape[-1] == 1 and not check:
+            # One token: an fp32 add is the correctly rounded exact sum, as the float64 path would give.
+            return torch.cat([cumsum, cumsum[..., -1:] + log_fgate], dim=-1)
+        chunk = log_fgate.double().cumsum(-1)
+        if cumsum is not None:
+            chunk = chunk + cumsum[..., -1:].double()
+        if check and bool(chunk[..., -1].abs().max() > self.rebase_at):
+            shift = chunk[..., -1:]
+            chunk = chunk - shift
+            cumsum = None if cumsum is None else (cumsum.double() - shift).float()
+        return chunk.float() if cumsum is None else torch.cat([cumsum, chunk.float()], dim=-1)
+
+    def update_fox(self, key_states, value_states, log_fgate, raw_keys, raw_values, evict_delta=None,
+                   track_key_norm=False):
+        """Append a chunk of the sequence.
 
         key_states / value_states (B, kv_heads, T, D); log_fgate (B, heads, T) fp32; raw_keys / raw_values
-        (B, T, kv_heads, D), the projections before the token shift, or None for a model without one.
+        (B, T, kv_heads, D), the projections before the token shift, or None for a model without one;
+        evict_delta (B, heads): ACP threshold valid for every future query (enables eviction), or None;
+        track_key_norm: keep `key_norm_max` (ACP without QK-norm). Read the result through `kv_groups()`.
         """
         empty = self.get_seq_length() == 0
-        keys, values = self.update(key_states, value_states)
-        chunk_cumsum = log_fgate.double().cumsum(-1)
-        if not empty:
-            chunk_cumsum = chunk_cumsum + self.fgate_cumsum[..., -1:].double()
-        chunk_cumsum = chunk_cumsum.float()
-        self.fgate_cumsum = chunk_cumsum if empty else torch.cat([self.fgate_cumsum, chunk_cumsum], dim=-1)
+        if empty:
+            self.tokens_since_check = 0
+        self.tokens_since_check += key_states.shape[-2]
+        check = key_states.shape[-2] > 1 or self.tokens_since_check >= self.check_interval
+        if check:
+            self.tokens_since_check = 0
+        if track_key_norm:
+            norms = key_states.detach().float().norm(dim=-1).amax(-1)
+            self.key_norm_max = norms if empty else torch.maximum(self.key_norm_max, norms)
+        if self.head_keys is None:
+            self.update(key_states, value_states)
+            self.fgate_cumsum = self._append_cumsum(None if empty else self.fgate_cumsum, log_fgate, check)
+        else:
+            group = log_fgate.shape[1] // len(self.head_keys)
+            for h in range(len(self.head_keys)):
+                self.head_keys[h] = torch.cat([self.head_keys[h], key_states[:, h : h + 1]], dim=-2)
+                self.head_values[h] = torch.cat([self.head_values[h], value_states[:, h : h + 1]], dim=-2)
+                self.head_fgate_cumsum[h] = self._append_cumsum(
+                    self.head_fgate_cumsum[h], log_fgate[:, h * group : (h + 1) * group], check
+                )
+        if evict_delta is not None and check:
+            self._evict(evict_delta)
         if raw_keys is None:
-            return keys, values, self.fgate_cumsum
+            return
         self.shift_keys, self.shift_values = raw_keys[:, -1:], raw_values[:, -1:]
         if self.record_past:
             if self.raw_history is None:
-                self.raw_history_start = keys.shape[-2] - key_states.shape[-2]
+                self.raw_history_start = self.get_seq_length() - key_states.shape[-2]
                 self.raw_history = {"keys": raw_keys, "values": raw_values}
             else:
                 self.raw_history = {
                     "keys": torch.cat([self.raw_history["keys"], raw_keys], dim=1),
                     "values": torch.cat([self.raw_history["values"], raw_values], dim=1),
                 }
-        return keys, values, self.fgate_cumsum
+
+    def _evict(self, delta):
+        """Drop, per KV head, the oldest keys with `c_newest - c_k < delta` for every sequence and query head of the
+        group. Later queries have smaller c (c never increases), so those keys stay pruned for good."""
+        if self.head_keys is None:
+            num_kv_heads = self.keys.shape[1]
+            self.head_keys = list(self.keys.split(1, dim=1))
+            self.head_values = list(self.values.split(1, dim=1))
+            self.head_fgate_cumsum = list(self.fgate_cumsum.split(self.fgate_cumsum.shape[1] // num_kv_heads, dim=1))
+            self.evicted = [0] * num_kv_heads
+            self.keys = self.values = self.fgate_cumsum = None
+        group = self.head_fgate_cumsum[0].shape[1]
+        # c is non-increasing along T, so the pruned keys of a row are a prefix: count them.
+        pruned = torch.stack([
+            ((c[..., -1:] - c) < delta[:, h * group : (h + 1) * group, None]).sum(-1).amin()
+            for h, c in enumerate(self.head_fgate_cumsum)
+        ]).tolist()
+        for h, drop in enumerate(pruned):
+            drop = min(drop, self.head_keys[h].shape[-2] - self.eviction_min_keep)
+            if drop > 0:
+                # Views for now; the next append copies only the kept part and the dropped memory is released.
+                self.head_keys[h] = self.head_keys[h][..., drop:, :]
+                self.head_values[h] = self.head_values[h][..., drop:, :]
+                self.head_fgate_cumsum[h] = self.head_fgate_cumsum[h][..., drop:]
+                self.evicted[h] += drop
 
     def reset(self):
         super().reset()
-        self.fgate_cumsum = self.shift_keys = self.shift_values = self.raw_history = None
+        self.fgate_cumsum = self.key_norm_max = self.shift_keys = self.shift_values = self.raw_history = None
+        self.head_keys = self.head_values = self.head_fgate_cumsum = self.evicted = None
 
     def crop(self, tokens_to_remove):
         length = self.get_seq_length()
@@ -570,8 +713,17 @@ class FoxCacheLayer(DynamicLayer):
         if tokens_to_remove == 0:
             return
         new_length = length - tokens_to_remove
-        self.keys, self.values = self.keys[..., :new_length, :], self.values[..., :new_length, :]
-        self.fgate_cumsum = self.fgate_cumsum[..., :new_length]
+        if self.head_keys is None:
+            self.keys, self.values = self.keys[..., :new_length, :], self.values[..., :new_length, :]
+            self.fgate_cumsum = self.fgate_cumsum[..., :new_length]
+        else:
+            if any(new_length < evicted for evicted in self.evicted):
+                raise RuntimeError(f"Cannot crop a FoX cache to {new_length} tokens: earlier tokens were evicted.")
+            for h, evicted in enumerate(self.evicted):
+                keep = new_length - evicted
+                self.head_keys[h] = self.head_keys[h][..., :keep, :]
+                self.head_values[h] = self.head_values[h][..., :keep, :]
+                self.head_fgate_cumsum[h] = self.head_fgate_cumsum[h][..., :keep]
         if self.shift_keys is None:
             return
         last = new_length - 1 - self.raw_history_start
@@ -591,9 +743,15 @@ class FoxCacheLayer(DynamicLayer):
         """Apply `fn` to every per-sequence tensor the layer holds (batch ops, beam reordering, offloading)."""
         if self.get_seq_length() == 0:
             return
-        if include_kv:
-            self.keys, self.values = fn(self.keys), fn(self.values)
-        self.fgate_cumsum = fn(self.fgate_cumsum)
+        if self.head_keys is None:
+            if include_kv:
+                self.keys, self.values = fn(self.keys), fn(self.values)
+            self.fgate_cumsum = fn(self.fgate_cumsum)
+        else:
+            for tensors in (self.head_keys, self.head_values, self.head_fgate_cumsum):
+                tensors[:] = [fn(t) for t in tensors]
+        if self.key_norm_max is not None:
+            self.key_norm_max = fn(self.key_norm_max)
         if self.shift_keys is not None:
             self.shift_keys, self.shift_values = fn(self.shift_keys), fn(self.shift_values)
         if self.raw_history is not None:
@@ -609,11 +767,13 @@ class FoxCacheLayer(DynamicLayer):
         self._map_state(lambda t: t[indices])
 
     def offload(self):
-        super().offload()
+        if self.head_keys is None:
+            super().offload()
         self._map_state(lambda t: t.to("cpu", non_blocking=True), include_kv=False)
 
     def prefetch(self):
-        super().prefetch()
+        if self.head_keys is None:
+            super().prefetch()
         self._map_state(lambda t: t.to(self.device, non_blocking=True), include_kv=False)
 
 

@@ -17,6 +17,8 @@ REMOTE_CODE_MODULES = (
     "kernels/interface.py",
     "kernels/reference.py",
     "kernels/triton_attention.py",
+    "kernels/decode.py",
+    "kernels/triton_decode.py",
     "remote_code.py",
 )
 AUTO_MAP = {

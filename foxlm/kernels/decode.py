@@ -1,0 +1,98 @@
+"""`forgetting_decode`: Forgetting Attention of a few new query tokens against a KV cache, and its ACP threshold.
+
+The Triton split-K kernel (`triton_decode.py`) runs on CUDA tensors; the pure-PyTorch reference below runs
+everywhere else and is the kernel's twin in tests. Same argument order and layout as `forgetting_attention`, except
+that the gate is always the cache's running sum `c` (a decode step never recomputes a cumulative sum).
+"""
+
+import math
+
+import torch
+
+try:
+    from .triton_decode import MAX_DECODE_QUERIES, triton_forgetting_decode
+except ImportError:  # no Triton (CPU-only torch builds, remote code on such machines)
+    MAX_DECODE_QUERIES, triton_forgetting_decode = 16, None
+
+
+def acp_threshold(u_bound, n_keys, eps):
+    """ACP's `delta = -2U - log L + log eps` (fox-reference.md §5): keys with `c_q - c_k < delta` carry at most eps
+    of the attention mass of query q together, when `U >= |sm_scale q.k|` for every key and L keys exist."""
+    return -2.0 * u_bound - math.log(max(n_keys, 1)) + math.log(eps)
+
+
+def _check_inputs(q, k, v, fgate_cumsum, seq_start, acp_delta):
+    if any(not isinstance(t, torch.Tensor) or t.dim() != 4 for t in (q, k, v)):
+        raise ValueError("`q`, `k` and `v` must be 4-D tensors (batch, seqlen, heads, head_dim).")
+    B, Tq, Hq, D = q.shape
+    Bk, Tk, Hkv, Dk = k.shape
+    if v.shape != k.shape or Bk != B or Dk != D or q.dtype != k.dtype or v.dtype != k.dtype:
+        raise ValueError(f"k and v must be (batch, k_len, kv_heads, head_dim) matching q in batch, head_dim and "
+                         f"dtype; got q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, "
+                         f"v {tuple(v.shape)} {v.dtype}.")
+    if Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}).")
+    if not 1 <= Tq <= min(Tk, MAX_DECODE_QUERIES):
+        raise ValueError(f"decoding takes 1 to {MAX_DECODE_QUERIES} new queries and at least as many keys; got "
+                         f"{Tq} queries, {Tk} keys (use `forgetting_attention` for longer chunks).")
+    if tuple(fgate_cumsum.shape) != (B, Tk, Hq) or fgate_cumsum.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"`fgate_cumsum` must be float32 of shape (batch, k_len, query heads) = {(B, Tk, Hq)}, got "
+                         f"{tuple(fgate_cumsum.shape)} {fgate_cumsum.dtype}.")
+    if seq_start is not None and tuple(seq_start.shape) != (B,):
+        raise ValueError(f"`seq_start` must have shape ({B},), got {tuple(seq_start.shape)}.")
+    if acp_delta is not None and tuple(acp_delta.shape) != (B, Hq):
+        raise ValueError(f"`acp_delta` must have shape (batch, query heads) = {(B, Hq)}, got "
+                         f"{tuple(acp_delta.shape)}.")
+
+
+def forgetting_decode_reference(q, k, v, fgate_cumsum, *, sm_scale=None, seq_start=None, acp_delta=None):
+    """Pure-PyTorch twin of the decode kernel (float64 for float64 inputs, else float32)."""
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qg = q.to(dtype).view(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4)  # (B, Hkv, G, Tq, D)
+    kg, vg = (t.to(dtype).permute(0, 2, 1, 3).unsqueeze(2) for t in (k, v))  # (B, Hkv, 1, Tk, D)
+    c = fgate_cumsum.transpose(1, 2).view(B, Hkv, group, Tk)
+    bias = (c[..., Tk - Tq :, None] - c[..., None, :]).to(dtype)  # (B, Hkv, G, Tq, Tk)
+    keys = torch.arange(Tk, device=q.device)
+    visible = (keys[None, :] <= keys[Tk - Tq :, None]).expand(B, Hkv, group, Tq, Tk)
+    if seq_start is not None:
+        visible = visible & (keys >= seq_start[:, None, None, None, None])
+    if acp_delta is not None:
+        visible = visible & (bias >= acp_delta.view(B, Hkv, group, 1, 1))
+    scores = (torch.matmul(qg, kg.transpose(-1, -2)) * sm_scale + bias).masked_fill(~visible, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1).nan_to_num(0.0), vg)
+    return out.permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq, D).to(q.dtype)
+
+
+def forgetting_decode(q, k, v, fgate_cumsum, *, sm_scale=None, seq_start=None, acp_delta=None, backend="auto"):
+    """Forgetting Attention of the last `q_len` (1 to 16) tokens against all `k_len` cached keys, themselves included.
+
+    Args:
+        q: (batch, q_len, query_heads, head_dim); query m sits at key position `k_len - q_len + m` (causal among
+            the new tokens).
+        k, v: (batch, k_len, kv_heads, head_dim), the cache (a transposed (batch, kv_heads, k_len, head_dim) cache
+            tensor is read in place).
+        fgate_cumsum: (batch, k_len, query_heads) float32, the running sum `c` of log f as the cache keeps it.
+        sm_scale: multiplies q.k only (default 1/sqrt(head_dim)).
+        seq_start: (batch,) int, left padding: keys before `seq_start[b]` are ignored.
+        acp_delta: (batch, query_heads) float32 ACP threshold (`acp_threshold`): keys with `c_q - c_k < delta`
+            are skipped (whole blocks of them are never read by the kernel). None: no pruning.
+        backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
+
+    Returns:
+        (batch, q_len, query_heads, head_dim) in the dtype of `q`.
+    """
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"`backend` must be 'auto', 'triton' or 'reference', got {backend!r}.")
+    _check_inputs(q, k, v, fgate_cumsum, seq_start, acp_delta)
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and q.dtype != torch.float64)
+    if use_triton and triton_forgetting_decode is None:
+        raise RuntimeError("backend='triton' was requested but Triton is not installed.")
+    if use_triton:
+        return triton_forgetting_decode(q, k, v, fgate_cumsum.float(), sm_scale, seq_start, acp_delta)
+    return forgetting_decode_reference(q, k, v, fgate_cumsum, sm_scale=sm_scale, seq_start=seq_start,
+                                       acp_delta=acp_delta)

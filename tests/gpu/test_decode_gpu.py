@@ -1,0 +1,43 @@
+"""The split-K decode kernel on a real GPU at real sizes, against float64 on the GPU, and inside generate().
+
+Run on a CUDA machine: `python -m pytest tests/gpu/test_decode_gpu.py -q` (skipped without CUDA).
+"""
+
+import math
+
+import pytest
+import torch
+
+from foxlm.kernels.decode import acp_threshold, forgetting_decode
+from tests.kernels.test_decode import make_cache, naive_decode, rel_error
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("B,Tq,Tk,Hq,Hkv,D", [(4, 1, 5000, 32, 8, 128), (3, 4, 3001, 16, 2, 64),
+                                             (2, 16, 2048, 8, 8, 96)])
+def test_decode_kernel_matches_float64(dtype, B, Tq, Tk, Hq, Hkv, D):
+    q, k, v, c = make_cache(B, Tq, Tk, Hq, Hkv, D, dtype=dtype, gate_bias=5.0)
+    seq_start = torch.tensor([0, 777, 2000, 10][:B], device="cuda")
+    out = forgetting_decode(q, k, v, c, seq_start=seq_start)
+    assert rel_error(out, naive_decode(q, k, v, c, seq_start=seq_start)) < TOLERANCE[dtype]
+
+
+def test_acp_prunes_within_eps_on_gpu():
+    q, k, v, c = make_cache(2, 1, 8192, 16, 4, 128, dtype=torch.bfloat16, gate_bias=-1.0)
+    delta = torch.full((2, 16), acp_threshold(math.sqrt(128) * 4, 8192, math.exp(-10)), device="cuda")
+    out = forgetting_decode(q, k, v, c, acp_delta=delta)
+    assert rel_error(out, naive_decode(q, k, v, c, acp_delta=delta)) < 2e-2
+    assert rel_error(out, naive_decode(q, k, v, c)) < 2e-2
+
+
+def test_generate_on_gpu_equals_uncached_argmax(make_model):
+    model = make_model(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=16).cuda()
+    ids = torch.randint(3, 97, (2, 300), device="cuda")
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for _ in range(8):
+        ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(out, ids)
