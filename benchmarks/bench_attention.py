@@ -5,7 +5,13 @@ packed variable-length row and a GQA row. TFLOP/s count full causal FLOPs: forwa
 3.5x that (the FlashAttention convention). Per-stage times of our kernel (forward, dK/dV, dQ) come from the
 profiler. Results go to benchmarks/results/attention_<device>_<date>.json and a table is printed.
 
-    python benchmarks/bench_attention.py [--quick] [--out DIR]
+ACP rows (also alone with --acp-only, T = 16k): Adaptive Computation Pruning at eps = e^-10 on gates where 70% of
+the heads forget fast (logits ~ N(0, 1)) and 30% slowly (N(8, 1)), and on fully open gates (log f = 0, the
+overhead case), with U measured from q and k per call ("U measured") or given ("U given", as the model passes it
+from its QK-norm scales). Effective TFLOP/s still count the full causal FLOPs; the pruned fraction of the
+forward's (query, key) pairs sits beside each time.
+
+    python benchmarks/bench_attention.py [--quick] [--acp-only] [--out DIR]
 """
 
 import argparse
@@ -20,6 +26,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from foxlm.kernels import forgetting_attention
+from foxlm.kernels.acp import DEFAULT_EPS, acp_statistics, measured_score_bound
 
 STAGES = {"_fwd_kernel": "fwd", "_bwd_kv_kernel": "dkdv", "_bwd_q_kernel": "dq", "_bwd_preprocess": "delta"}
 
@@ -101,6 +108,59 @@ def make(B, T, Hq, Hkv, D, dtype=torch.bfloat16):
     return (q, k, v, log_fgate), torch.randn(B, T, Hq, D, device="cuda", dtype=dtype)
 
 
+def gate_mix(B, T, H, slow_share=0.3):
+    """log f with 70% of the heads fast (logit ~ N(0, 1), f ~ 0.5) and 30% slow (N(8, 1)), as in the ACP paper."""
+    slow = torch.arange(H, device="cuda") >= round(H * (1 - slow_share))
+    logits = torch.randn(B, T, H, device="cuda") + 8.0 * slow
+    return F.logsigmoid(logits)
+
+
+def acp_rows(D, T=16384, tokens=16384, hidden=2048):
+    """ACP on the gate mix and on open gates at one shape, against SDPA cuDNN and our unpruned kernel."""
+    B, H = tokens // T, hidden // D
+    (q, k, v, _), grad_out = make(B, T, H, H, D)
+    flops = causal_flops(B, H, T, D)
+    given = measured_score_bound(q.detach(), k.detach(), D**-0.5)
+    entry = {"shape": f"ACP D{D} T{T // 1024}k", "B": B, "T": T, "Hq": H, "Hkv": H, "D": D, "eps": DEFAULT_EPS,
+             "results": [measure("sdpa-cudnn", sdpa(SDPBackend.CUDNN_ATTENTION), (q, k, v, None), grad_out, flops)]}
+    open_gates = torch.zeros(B, T, H, device="cuda")
+    for gates_name, gates in (("gate mix 70/30", gate_mix(B, T, H)), ("open gates", open_gates)):
+        inputs = (q, k, v, gates.requires_grad_())
+        variants = (("no ACP", {}), ("ACP, U measured", {"prune_eps": DEFAULT_EPS}),
+                    ("ACP, U given", {"prune_eps": DEFAULT_EPS, "score_bound": given}))
+        for variant, kwargs in variants:
+            result = measure(f"foxlm-triton {gates_name}, {variant}", ours, inputs, grad_out, flops, kwargs)
+            if kwargs:
+                with torch.no_grad(), acp_statistics() as stats:
+                    pruned_out = ours(*inputs, **kwargs)
+                result["pruned_fraction"] = stats.pruned_fraction
+                with torch.no_grad():
+                    exact = ours(*inputs)
+                result["max_abs_diff_vs_unpruned"] = (pruned_out.float() - exact.float()).abs().max().item()
+                result["acp_output_bound"] = 2 * DEFAULT_EPS * v.abs().max().item()
+            entry["results"].append(result)
+    rows_print = [f"{r['impl']} {r['fwd_tflops']:.0f}/{r['fwd_bwd_tflops']:.0f}"
+                  + (f" (pruned {r['pruned_fraction']:.2f})" if "pruned_fraction" in r else "")
+                  for r in entry["results"] if "error" not in r]
+    print(f"{entry['shape']}: " + "; ".join(rows_print), flush=True)
+    return entry
+
+
+def print_acp_table(rows):
+    print("| shape | impl | fwd ms | fwd+bwd ms | effective fwd+bwd TF/s | vs cuDNN | pruned fraction |")
+    print("|---|---|---|---|---|---|---|")
+    for entry in rows:
+        cudnn = _result(entry, "sdpa-cudnn")
+        for r in entry["results"]:
+            if "error" in r:
+                print(f"| {entry['shape']} | {r['impl']} | error: {r['error'][:80]} | | | | |")
+                continue
+            ratio = f"{r['fwd_bwd_tflops'] / cudnn['fwd_bwd_tflops']:.2f}" if cudnn else "-"
+            pruned = f"{r['pruned_fraction']:.3f}" if "pruned_fraction" in r else "-"
+            print(f"| {entry['shape']} | {r['impl']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
+                  f"{r['fwd_bwd_tflops']:.0f} | {ratio} | {pruned} |")
+
+
 def measure(name, fn, inputs, grad_out, flops, kwargs=None):
     kwargs = kwargs or {}
     n_differentiated = 3 if name.startswith("sdpa") else 4  # SDPA has no gate
@@ -117,6 +177,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only T = 4k and 16k")
     parser.add_argument("--no-reference", action="store_true", help="skip the reference path and accuracy check")
+    parser.add_argument("--acp-only", action="store_true", help="only the ACP rows (T = 16k, D = 64 and 128)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     tokens, hidden = 16384, 2048
@@ -139,29 +200,35 @@ def main():
         rows.append(entry)
         print_row(entry, flops)
 
-    for D in (64, 128):
-        for T in seqlens:
-            shape_row(f"D{D} T{T // 1024}k", tokens // T, T, hidden // D, hidden // D, D,
-                      reference_fits=T <= 4096 and not args.no_reference)
-    # Packed documents of uneven lengths (16k tokens), counted as the sum of their own causal FLOPs.
-    lengths = [512, 1536, 2048, 4096, 8192]
-    cu_seqlens = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
-    shape_row("varlen D128 (0.5k..8k)", 1, sum(lengths), 16, 16, 128,
-              kwargs={"cu_seqlens": cu_seqlens, "max_seqlen": max(lengths)},
-              flops=sum(causal_flops(1, 16, n, 128) for n in lengths))
-    shape_row("GQA D128 T4k 16q/4kv", 4, 4096, 16, 4, 128, gqa=True)
+    if not args.acp_only:
+        for D in (64, 128):
+            for T in seqlens:
+                shape_row(f"D{D} T{T // 1024}k", tokens // T, T, hidden // D, hidden // D, D,
+                          reference_fits=T <= 4096 and not args.no_reference)
+        # Packed documents of uneven lengths (16k tokens), counted as the sum of their own causal FLOPs.
+        lengths = [512, 1536, 2048, 4096, 8192]
+        cu_seqlens = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+        shape_row("varlen D128 (0.5k..8k)", 1, sum(lengths), 16, 16, 128,
+                  kwargs={"cu_seqlens": cu_seqlens, "max_seqlen": max(lengths)},
+                  flops=sum(causal_flops(1, 16, n, 128) for n in lengths))
+        shape_row("GQA D128 T4k 16q/4kv", 4, 4096, 16, 4, 128, gqa=True)
+    acp = [acp_rows(D) for D in (64, 128)]
 
     device = torch.cuda.get_device_name()
     record = {"device": device, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
               "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "dtype": "bfloat16", "flops": "causal 4*B*H*T^2*D/2 forward, x3.5 forward+backward", "rows": rows}
+              "dtype": "bfloat16", "flops": "causal 4*B*H*T^2*D/2 forward, x3.5 forward+backward", "rows": rows,
+              "acp_rows": acp}
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
-    path = os.path.join(args.out, f"attention_{device.replace(' ', '_')}_{stamp}.json")
+    kind = "attention_acp" if args.acp_only else "attention"
+    path = os.path.join(args.out, f"{kind}_{device.replace(' ', '_')}_{stamp}.json")
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
     print(f"\n{device}, torch {torch.__version__}, triton {triton.__version__}; wrote {path}\n")
-    print_table(rows)
+    if rows:
+        print_table(rows)
+    print_acp_table(acp)
 
 
 def _result(entry, impl):

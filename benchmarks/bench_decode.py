@@ -90,9 +90,9 @@ def bench_generate(results, new_tokens=256):
         model = model.to("cuda", torch.bfloat16).eval()
         for prompt in (8192, 32768):
             ids = torch.randint(3, 32000, (1, prompt), device="cuda")
-            kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+            kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None, pad_token_id=0)
             with torch.no_grad():
-                model.generate(ids[:, :1024], max_new_tokens=4, **kwargs)  # compile and warm up
+                model.generate(ids, max_new_tokens=8, **kwargs)  # warm up at this prompt length (autotune, caches)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 model.generate(ids, max_new_tokens=1, **kwargs)

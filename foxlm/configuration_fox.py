@@ -45,10 +45,13 @@ class FoxConfig(PreTrainedConfig):
         use_k_shift (`bool`, defaults to `False`), use_v_shift (`bool`, defaults to `False`):
             Token shift of keys / values (FoX Pro): `k_t <- a_t k_{t-1} + (1 - a_t) k_t`, `a_t = sigmoid(w . x_t)`
             per head.
-        acp_eps (`float`, *optional*):
-            Adaptive Computation Pruning tolerance (pruned attention mass per query <= eps). At decode time (a few
-            new tokens against a cache), keys whose decay `c_q - c_k` is below `delta = -2U - log L + log eps` are
-            skipped and never read (fox-reference.md §5).
+        acp_eps (`float`, *optional*, defaults to `"auto"`):
+            Adaptive Computation Pruning tolerance (pruned attention mass per query <= eps, so each attention output
+            moves by at most `2 eps max|v|`). Tiles of the training/prefill kernel (forward and both backward passes)
+            and keys at decode time whose decay `c_q - c_k` is below `delta = -2U - log L + log eps` are skipped and
+            never read (fox-reference.md §5). `"auto"` means e^-10 with `qk_norm` (U then comes from the QK-norm
+            scales) and None (off) otherwise; set a float to force it on (U measured from q and k) or None to turn
+            it off.
         decode_kv_eviction (`bool`, defaults to `False`):
             Drop cached keys/values that ACP proves negligible for every future query (tolerance `acp_eps`, e^-10
             if unset), per KV head: heads that forget fast then keep a bounded cache. Needs `qk_norm`, whose scales
@@ -118,7 +121,7 @@ class FoxConfig(PreTrainedConfig):
     use_output_norm: bool = False
     use_k_shift: bool = False
     use_v_shift: bool = False
-    acp_eps: int | float | None = None
+    acp_eps: int | float | str | None = "auto"
     decode_kv_eviction: bool = False
     attention_backend: str = "auto"
     layer_types: list[str] | None = None
@@ -130,6 +133,8 @@ class FoxConfig(PreTrainedConfig):
             self.num_key_value_heads = self.num_attention_heads
         if self.layer_types is None:
             self.layer_types = ["fox_attention"] * self.num_hidden_layers
+        if self.acp_eps == "auto":
+            self.acp_eps = math.exp(-10) if self.qk_norm else None
         super().__post_init__(**kwargs)
 
     @classmethod
@@ -173,8 +178,8 @@ class FoxConfig(PreTrainedConfig):
             raise ValueError(
                 f"`attention_backend` must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}."
             )
-        if self.acp_eps is not None and not 0 < self.acp_eps < 1:
-            raise ValueError(f"`acp_eps` must be in (0, 1) or None, got {self.acp_eps}.")
+        if self.acp_eps is not None and (isinstance(self.acp_eps, str) or not 0 < self.acp_eps < 1):
+            raise ValueError(f"`acp_eps` must be in (0, 1), 'auto' or None, got {self.acp_eps!r}.")
         if self.decode_kv_eviction and not self.qk_norm:
             raise ValueError("`decode_kv_eviction` needs `qk_norm=True`: only QK-norm bounds |q.k| for future queries.")
         if self.hidden_act not in ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu"):

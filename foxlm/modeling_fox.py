@@ -252,6 +252,14 @@ class FoxAttention(nn.Module):
                                                  seq_start=seq_start, **kwargs))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
+    def _pruning_kwargs(self, q):
+        """Adaptive Computation Pruning in the prefill/training kernel when `acp_eps` is set: U from the QK-norm
+        scales, else measured by the kernel wrapper from q and k."""
+        if self.config.acp_eps is None:
+            return {}
+        return dict(prune_eps=self.config.acp_eps,
+                    score_bound=self._acp_bound(q, None) if self.config.qk_norm else None)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -301,10 +309,11 @@ class FoxAttention(nn.Module):
             flat = lambda t: t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
             out = forgetting_attention(
                 flat(q), flat(k), flat(v), flat(log_fgate), cu_seqlens=layout.cu_seqlens,
-                max_seqlen=layout.max_seqlen, **attention_kwargs,
+                max_seqlen=layout.max_seqlen, **attention_kwargs, **self._pruning_kwargs(flat(q)),
             ).view(B, T, self.num_heads, self.head_dim)
         else:
-            out = forgetting_attention(q, k, v, log_fgate, seq_start=layout.seq_start, **attention_kwargs)
+            out = forgetting_attention(q, k, v, log_fgate, seq_start=layout.seq_start, **attention_kwargs,
+                                       **self._pruning_kwargs(q))
 
         if self.output_norm is not None:
             out = self.output_norm(out)
@@ -454,6 +463,10 @@ def attention_layout(attention_mask, position_ids, past_length, batch_and_length
                 f"FoX takes a 2-D padding mask (batch, seqlen) of 1s and 0s, got shape {tuple(attention_mask.shape)}."
             )
         mask = attention_mask.bool()
+        seq_start = (mask.cumsum(-1) == 0).sum(-1)
+        if past_length > 0 and T == 1:
+            # A decode step: the mask was checked with the prompt; no host sync per generated token.
+            return FoxAttentionLayout(seq_start=seq_start)
         runs_of_ones = mask[:, 0].long() + (mask[:, 1:] & ~mask[:, :-1]).sum(-1)
         if bool((runs_of_ones > 1).any()):
             raise ValueError(
@@ -461,7 +474,7 @@ def attention_layout(attention_mask, position_ids, past_length, batch_and_length
             )
         if bool(mask.all()):
             return FoxAttentionLayout()
-        return FoxAttentionLayout(seq_start=(mask.cumsum(-1) == 0).sum(-1), token_mask=mask[:, -T:])
+        return FoxAttentionLayout(seq_start=seq_start, token_mask=mask[:, -T:])
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if past_length > 0 or (cu_seqlens is None and position_ids is None):
         return FoxAttentionLayout()

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from .acp import measured_score_bound, record_pruned_counts, recording_pruned_counts
 from .reference import forgetting_attention_reference
 
 try:
@@ -97,6 +98,8 @@ def forgetting_attention(
     max_seqlen=None,
     seq_start=None,
     backend="auto",
+    prune_eps=None,
+    score_bound=None,
 ):
     """Causal Forgetting Attention: `o_i = sum_j softmax_j(sm_scale * q_i.k_j + c_i - c_j) v_j`.
 
@@ -113,6 +116,12 @@ def forgetting_attention(
         seq_start: (batch,) int, left padding: keys before `seq_start[b]` are ignored and their gates unused.
             Right padding needs nothing: causal queries never see later positions.
         backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
+        prune_eps: Adaptive Computation Pruning tolerance in (0, 1) (fox-reference.md §5): the Triton kernels skip
+            tiles whose decay proves their attention weight negligible, so that each query loses at most `prune_eps`
+            of its attention mass (output error <= 2 * prune_eps * max|v|). Needs log f <= 0. The reference backend
+            computes everything (exact). Read what was skipped with `foxlm.kernels.acp.acp_statistics()`.
+        score_bound: U >= |sm_scale * q_i.k_j| for every pair, a float or a float tensor broadcastable to
+            (batch, query_heads), e.g. from QK-norm scales; default: measured from the largest norms of q and k.
 
     Returns:
         (batch, q_len, query_heads, head_dim) in the dtype of `q`.
@@ -135,12 +144,24 @@ def forgetting_attention(
             _warned_reference_on_gpu = True
             logger.warning("Forgetting Attention is running on the slow pure-PyTorch reference path on a GPU "
                            "(backend=%r, Triton available: %s).", backend, has_triton)
+    if prune_eps is not None and not 0 < prune_eps < 1:
+        raise ValueError(f"`prune_eps` must be in (0, 1) or None, got {prune_eps}.")
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    prune = use_triton and prune_eps is not None
+    if prune:
+        if score_bound is None:
+            score_bound = measured_score_bound(q.detach(), k.detach(), sm_scale)
+        elif not isinstance(score_bound, torch.Tensor):  # a fill, not a host-to-device copy (no sync)
+            score_bound = torch.full((), float(score_bound), device=q.device)
+        score_bound = score_bound.detach().to(device=q.device, dtype=torch.float32)
     gate_is_cumsum = log_fgate is None
-    out, _ = torch.ops.foxlm.forgetting_attention(
-        q, k, v, fgate_cumsum if gate_is_cumsum else log_fgate, gate_is_cumsum,
-        1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale),
+    out, _, pruned_counts = torch.ops.foxlm.forgetting_attention(
+        q, k, v, fgate_cumsum if gate_is_cumsum else log_fgate, gate_is_cumsum, sm_scale,
         cu_seqlens, None if max_seqlen is None else int(max_seqlen), seq_start, use_triton,
+        float(prune_eps) if prune else None, score_bound if prune else None, prune and recording_pruned_counts(),
     )
+    if pruned_counts.numel():
+        record_pruned_counts(pruned_counts)
     return out
 
 
@@ -235,20 +256,32 @@ def _reference_backward(do, q, k, v, c, sm_scale, seq_start):
 def _forgetting_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, gate_is_cumsum: bool, sm_scale: float,
     cu_seqlens: Optional[torch.Tensor], max_seqlen: Optional[int], seq_start: Optional[torch.Tensor], use_triton: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out, lse); lse (B, Hq, Tq) is the kernel's log2-domain log-sum-exp (unused by the reference)."""
+    prune_eps: Optional[float] = None, score_bound: Optional[torch.Tensor] = None, count_pruned: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (out, lse, pruned_counts); lse (B, Hq, Tq) is the kernel's log2-domain log-sum-exp (unused by the
+    reference); pruned_counts is (B, Hq, Tq, 2) int32 (skipped, visible keys per query) with `count_pruned`,
+    else empty."""
+    counts = q.new_empty(_counts_shape(q, count_pruned), dtype=torch.int32)
     if use_triton:
         c = _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
-        return triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens, max_seqlen, seq_start)
+        out, lse = triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens, max_seqlen, seq_start, prune_eps,
+                                            score_bound, counts if count_pruned else None)
+        return out, lse, counts
     gates = dict(fgate_cumsum=gate) if gate_is_cumsum else dict(log_fgate=gate)
     out = forgetting_attention_reference(q, k, v, **gates, sm_scale=sm_scale, cu_seqlens=cu_seqlens,
                                          seq_start=seq_start)
-    return out.contiguous(), q.new_zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+    return out.contiguous(), q.new_zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32), counts.zero_()
+
+
+def _counts_shape(q, count_pruned):
+    return (q.shape[0], q.shape[2], q.shape[1], 2) if count_pruned else (0,)
 
 
 @_forgetting_attention_op.register_fake
-def _(q, k, v, gate, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start, use_triton):
-    return q.new_empty(q.shape), q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+def _(q, k, v, gate, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start, use_triton, prune_eps=None,
+      score_bound=None, count_pruned=False):
+    return (q.new_empty(q.shape), q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32),
+            q.new_empty(_counts_shape(q, count_pruned), dtype=torch.int32))
 
 
 @torch.library.custom_op("foxlm::forgetting_attention_backward", mutates_args=())
@@ -256,11 +289,12 @@ def _forgetting_attention_backward_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, gate_is_cumsum: bool, sm_scale: float, cu_seqlens: Optional[torch.Tensor],
     max_seqlen: Optional[int], seq_start: Optional[torch.Tensor], use_triton: bool,
+    prune_eps: Optional[float] = None, score_bound: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     c = _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
     if use_triton:
         dq, dk, dv, dc = triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens, max_seqlen,
-                                                   seq_start)
+                                                   seq_start, prune_eps, score_bound)
     elif cu_seqlens is None:
         dq, dk, dv, dc = _reference_backward(do, q, k, v, c, sm_scale, seq_start)
     else:
@@ -273,22 +307,25 @@ def _forgetting_attention_backward_op(
 
 
 @_forgetting_attention_backward_op.register_fake
-def _(do, q, k, v, gate, out, lse, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start, use_triton):
+def _(do, q, k, v, gate, out, lse, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start, use_triton,
+      prune_eps=None, score_bound=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), gate.new_empty(gate.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, gate, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start, use_triton = inputs
-    ctx.save_for_backward(q, k, v, gate, output[0], output[1], cu_seqlens, seq_start)
-    ctx.args = (gate_is_cumsum, sm_scale, max_seqlen, use_triton)
+    q, k, v, gate, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start, use_triton, *prune = inputs
+    prune_eps, score_bound = (prune + [None, None])[:2]
+    ctx.save_for_backward(q, k, v, gate, output[0], output[1], cu_seqlens, seq_start, score_bound)
+    ctx.args = (gate_is_cumsum, sm_scale, max_seqlen, use_triton, prune_eps)
 
 
-def _backward(ctx, do, _dlse):
-    q, k, v, gate, out, lse, cu_seqlens, seq_start = ctx.saved_tensors
-    gate_is_cumsum, sm_scale, max_seqlen, use_triton = ctx.args
+def _backward(ctx, do, _dlse, _dcounts):
+    q, k, v, gate, out, lse, cu_seqlens, seq_start, score_bound = ctx.saved_tensors
+    gate_is_cumsum, sm_scale, max_seqlen, use_triton, prune_eps = ctx.args
     dq, dk, dv, dgate = torch.ops.foxlm.forgetting_attention_backward(
-        do, q, k, v, gate, out, lse, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start, use_triton)
-    return dq, dk, dv, dgate, None, None, None, None, None, None
+        do, q, k, v, gate, out, lse, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start, use_triton,
+        prune_eps, score_bound)
+    return dq, dk, dv, dgate, None, None, None, None, None, None, None, None, None
 
 
 _forgetting_attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -18,8 +18,14 @@ Design (fox-reference.md §3-4):
   so dK/dV are reduced in registers (no per-query-head copy), and they own `dc_j = -sum_i dS_ij` (the row sums of dS
   vanish, fox-reference.md §3); `d log f` is then a float64 reverse cumsum.
 - 1-D grids (no 65535 limit on y/z), 64-bit base offsets, heavy causal blocks launched first.
+- Adaptive Computation Pruning (fox-reference.md §5), when `prune_eps` is given: a tile with first query i0
+  and last key j1 has every bias `<= c_i0 - c_j1`, and is skipped when that is below `delta = log eps - 2U - log L`
+  (then each query loses at most eps of its attention mass). c is monotone, so the kept key blocks of a query block
+  are a suffix and the kept query blocks of a key block a prefix: each program finds its boundary by a
+  SEARCH_WIDTH-ary search over c (one vector load per round, two rounds at 16k), in the forward, dQ and dK/dV passes.
 """
 
+import math
 import os
 
 import torch
@@ -27,6 +33,8 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# Candidates per round of the pruning boundary search: 32^2 blocks (64k keys at 64-key blocks) in two rounds.
+SEARCH_WIDTH = 32
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # FOXLM_AUTOTUNE=0 takes the first (expected best) configuration of each list instead of timing them all.
 _AUTOTUNE = os.environ.get("FOXLM_AUTOTUNE", "1") != "0"
@@ -77,6 +85,48 @@ def _sequence(CU_SEQLENS, SEQ_START, b, Tq, Tk, IS_VARLEN: tl.constexpr, HAS_SEQ
 
 
 @triton.jit
+def _prune_threshold(BOUND, stride_ub, stride_uh, batch, h, log_eps, seq_k, kv_start):
+    """delta = log eps - 2U - log L (natural log), L the number of keys of this sequence."""
+    u = tl.load(BOUND + batch * stride_ub + h * stride_uh)
+    n_keys = tl.maximum(seq_k - kv_start, 1).to(tl.float32)
+    return (log_eps - 2.0 * u - tl.log(n_keys)).to(tl.float64)
+
+
+@triton.jit
+def _first_block(C, stride_ct, c_ref, delta, lo, hi, first_pos, BLOCK: tl.constexpr, QUERY_BLOCKS: tl.constexpr,
+                 SEARCH_WIDTH: tl.constexpr):
+    """The first block index b in [lo, hi) whose tile against c_ref is pruned (QUERY_BLOCKS: b is a query block of
+    a key block whose last key has c = c_ref, tile bias bound c[first_pos + b * BLOCK] - c_ref) or kept (key blocks of
+    a query block whose first query has c = c_ref, bound c_ref - c[first_pos + b * BLOCK]); hi if none. The predicate
+    is monotone in b, so each round narrows [lo, hi] to one of SEARCH_WIDTH intervals."""
+    hi = tl.maximum(hi, lo)  # hi >= lo already; this makes it a tensor when the launch made it a constant
+    while lo < hi:
+        step = (hi - lo + SEARCH_WIDTH - 1) // SEARCH_WIDTH
+        cand = lo + tl.arange(0, SEARCH_WIDTH) * step
+        in_range = cand < hi
+        c_cand = tl.load(C + (first_pos + cand * BLOCK).to(tl.int64) * stride_ct, mask=in_range, other=0.0)
+        if QUERY_BLOCKS:
+            fails = c_cand - c_ref >= delta
+        else:
+            fails = c_ref - c_cand < delta
+        n_before = tl.sum((in_range & fails).to(tl.int32), 0)
+        # Candidates [0, n_before) fail, so the answer lies in (cand[n_before - 1], cand[n_before]].
+        new_lo = tl.where(n_before > 0, lo + (n_before - 1) * step + 1, lo)
+        hi = tl.minimum(lo + n_before * step, hi)
+        lo = new_lo
+    return lo
+
+
+@triton.jit
+def _first_kept_key(C, stride_ct, c_first_q, delta, lo, first_q, BLOCK_N: tl.constexpr, SEARCH_WIDTH: tl.constexpr):
+    """Start of the first key block (from key lo, a multiple of BLOCK_N) that a query block starting at query
+    position first_q must visit; the block holding first_q itself always is (its bias bound is >= 0)."""
+    first = _first_block(C, stride_ct, c_first_q, delta, lo // BLOCK_N, first_q // BLOCK_N, BLOCK_N - 1, BLOCK_N,
+                         False, SEARCH_WIDTH)
+    return first * BLOCK_N
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, stride_ct, anchor, q_pos, kv_start, seq_k,
                qk_scale, lo, hi, offs_n, offs_d,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
@@ -107,12 +157,13 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, stride_ct, ancho
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, C, O, LSE, CU_SEQLENS, SEQ_START,
+def _fwd_kernel(Q, K, V, C, O, LSE, CU_SEQLENS, SEQ_START, BOUND, PRUNED,
                 stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                stride_ob, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch,
-                Tq, Tk, max_seqlen_q, num_heads, group, qk_scale,
+                stride_ob, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_ub, stride_uh,
+                Tq, Tk, max_seqlen_q, num_heads, group, qk_scale, log_eps,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
-                HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
+                COUNT_PRUNED: tl.constexpr, SEARCH_WIDTH: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(max_seqlen_q, BLOCK_M)
@@ -139,6 +190,9 @@ def _fwd_kernel(Q, K, V, C, O, LSE, CU_SEQLENS, SEQ_START,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo = kv_start // BLOCK_N * BLOCK_N
+    if PRUNE:
+        threshold = _prune_threshold(BOUND, stride_ub, stride_uh, batch, h, log_eps, seq_k, kv_start)
+        lo = _first_kept_key(C, stride_ct, anchor, threshold, lo, p_seq + start_m, BLOCK_N, SEARCH_WIDTH)
     diag_lo = tl.maximum(lo, (p_seq + start_m + 1) // BLOCK_N * BLOCK_N)
     hi = tl.minimum(p_seq + start_m + BLOCK_M, seq_k)
     # Stage 1: key blocks every query of the block sees in full. Stage 2: the causal diagonal.
@@ -157,6 +211,11 @@ def _fwd_kernel(Q, K, V, C, O, LSE, CU_SEQLENS, SEQ_START,
     _store_tile(O + batch * stride_ob + bos * stride_ot + h * stride_oh, acc / l_safe[:, None], offs_m, seq_q,
                 stride_ot, offs_d, HEAD_DIM)
     tl.store(LSE + (batch * num_heads + h) * Tq + bos + offs_m, lse, mask=offs_m < seq_q)
+    if COUNT_PRUNED:
+        # Per query row: keys skipped, and keys visible (the denominator of the pruned fraction).
+        rows = PRUNED + 2 * ((batch * num_heads + h) * Tq + bos + offs_m)
+        tl.store(rows, tl.zeros([BLOCK_M], tl.int32) + tl.maximum(lo - kv_start, 0), mask=offs_m < seq_q)
+        tl.store(rows + 1, tl.maximum(q_pos + 1 - kv_start, 0), mask=offs_m < seq_q)
 
 
 @triton.jit
@@ -203,14 +262,14 @@ def _bwd_kv_inner(dk, dv, dc, k, v, k_bias, Q, DO, C, LSE, DELTA, stride_qt, str
 
 
 @triton.jit
-def _bwd_kv_kernel(Q, K, V, C, DO, LSE, DELTA, DK, DV, DC, CU_SEQLENS, SEQ_START,
+def _bwd_kv_kernel(Q, K, V, C, DO, LSE, DELTA, DK, DV, DC, CU_SEQLENS, SEQ_START, BOUND,
                    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh,
-                   stride_dvb, stride_dvt, stride_dvh, stride_cb, stride_ct, stride_ch,
-                   Tq, Tk, max_seqlen_k, num_heads, group, qk_scale, sm_scale,
+                   stride_dvb, stride_dvt, stride_dvh, stride_cb, stride_ct, stride_ch, stride_ub, stride_uh,
+                   Tq, Tk, max_seqlen_k, num_heads, group, qk_scale, sm_scale, log_eps,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
-                   HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
+                   SEARCH_WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_n = tl.cdiv(max_seqlen_k, BLOCK_N)
     bh = pid // num_n
@@ -245,11 +304,19 @@ def _bwd_kv_kernel(Q, K, V, C, DO, LSE, DELTA, DK, DV, DC, CU_SEQLENS, SEQ_START
         c_k = tl.load(C_h + offs_n.to(tl.int64) * stride_ct, mask=offs_n < seq_k, other=0.0)
         k_bias = tl.where(valid_n, (c_k - anchor).to(tl.float32) * 1.4426950408889634, float("inf"))
         dc = tl.zeros([BLOCK_N], tl.float32)
+        end = seq_q
+        if PRUNE:
+            # Query blocks from the first whose first query is decayed past delta against the last key are skipped.
+            threshold = _prune_threshold(BOUND, stride_ub, stride_uh, batch, h, log_eps, seq_k, kv_start)
+            c_last = tl.load(C_h + tl.minimum(start_n + BLOCK_N - 1, seq_k - 1).to(tl.int64) * stride_ct)
+            end = _first_block(C_h, stride_ct, c_last, threshold, lo // BLOCK_M, tl.cdiv(seq_q, BLOCK_M), p_seq,
+                               BLOCK_M, True, SEARCH_WIDTH) * BLOCK_M
+            end = tl.minimum(end, seq_q)
         dk, dv, dc = _bwd_kv_inner(dk, dv, dc, k, v, k_bias, Q_h, DO_h, C_h, LSE + row, DELTA + row, stride_qt,
-                                   stride_dot, stride_ct, anchor, offs_n, p_seq, seq_q, qk_scale, lo, mid, offs_d,
-                                   HEAD_DIM, BLOCK_D, BLOCK_M, True, DOT_PRECISION)
+                                   stride_dot, stride_ct, anchor, offs_n, p_seq, seq_q, qk_scale, lo,
+                                   tl.minimum(mid, end), offs_d, HEAD_DIM, BLOCK_D, BLOCK_M, True, DOT_PRECISION)
         dk, dv, dc = _bwd_kv_inner(dk, dv, dc, k, v, k_bias, Q_h, DO_h, C_h, LSE + row, DELTA + row, stride_qt,
-                                   stride_dot, stride_ct, anchor, offs_n, p_seq, seq_q, qk_scale, mid, seq_q, offs_d,
+                                   stride_dot, stride_ct, anchor, offs_n, p_seq, seq_q, qk_scale, mid, end, offs_d,
                                    HEAD_DIM, BLOCK_D, BLOCK_M, False, DOT_PRECISION)
         # dL/dc_j = -sum_i dS_ij; this program is the only owner of these keys, so no atomics.
         tl.store(DC + (batch * num_heads + h) * Tk + bos + offs_n, -dc, mask=offs_n < seq_k)
@@ -287,13 +354,14 @@ def _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, stride_kt, stride_vt
 
 
 @triton.jit
-def _bwd_q_kernel(Q, K, V, C, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, SEQ_START,
+def _bwd_q_kernel(Q, K, V, C, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, SEQ_START, BOUND,
                   stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
-                  stride_cb, stride_ct, stride_ch, Tq, Tk, max_seqlen_q, num_heads, group, qk_scale, sm_scale,
+                  stride_cb, stride_ct, stride_ch, stride_ub, stride_uh,
+                  Tq, Tk, max_seqlen_q, num_heads, group, qk_scale, sm_scale, log_eps,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
-                  HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
+                  SEARCH_WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(max_seqlen_q, BLOCK_M)
     bh = pid // num_m
@@ -326,6 +394,9 @@ def _bwd_q_kernel(Q, K, V, C, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, SEQ_STA
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row_err = tl.zeros([BLOCK_M], tl.float32)
     lo = kv_start // BLOCK_N * BLOCK_N
+    if PRUNE:
+        threshold = _prune_threshold(BOUND, stride_ub, stride_uh, batch, h, log_eps, seq_k, kv_start)
+        lo = _first_kept_key(C, stride_ct, anchor, threshold, lo, p_seq + start_m, BLOCK_N, SEARCH_WIDTH)
     diag_lo = tl.maximum(lo, (p_seq + start_m + 1) // BLOCK_N * BLOCK_N)
     hi = tl.minimum(p_seq + start_m + BLOCK_M, seq_k)
     dq, row_err = _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, stride_kt, stride_vt, stride_ct, anchor,
@@ -344,7 +415,8 @@ def _bwd_q_kernel(Q, K, V, C, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, SEQ_STA
 
 # ----------------------------------------------------------------------------------------------------------------
 # Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) by padded head dim, the best measured on an H100
-# first (FOXLM_AUTOTUNE=0 takes it alone), autotuned once per (head dim, GQA group, flags, dtypes). Configurations
+# first (FOXLM_AUTOTUNE=0 takes it alone), autotuned once per (head dim, GQA group, flags, dtypes); pruned and
+# unpruned launches share the choice, so that pruning nothing is bit-identical to not pruning. Configurations
 # whose pipelined tiles do not fit the device's shared memory are dropped first, so that GPUs with ~100 KB per block
 # (Ada, consumer Blackwell) get smaller tiles instead of an error.
 
@@ -414,7 +486,7 @@ def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _common(q, k, cu_seqlens, max_seqlen, seq_start):
+def _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
     B, Tq, Hq, D = q.shape
     Tk = k.shape[1]
     if cu_seqlens is not None:
@@ -426,42 +498,52 @@ def _common(q, k, cu_seqlens, max_seqlen, seq_start):
     else:
         n_seqs, max_q, max_k = B, Tq, Tk
     seq_start = None if seq_start is None else seq_start.to(device=q.device, dtype=torch.int32)
+    # Pruning: U per (batch, query head), broadcast through strides; q stands in for the pointer when unused.
+    bound = q if prune_eps is None else score_bound.to(device=q.device, dtype=torch.float32).expand(B, Hq)
     return dict(
         n_seqs=n_seqs, max_q=max_q, max_k=max_k, cu_seqlens=cu_seqlens, seq_start=seq_start,
         block_d=max(16, triton.next_power_of_2(D)), group=Hq // k.shape[2],
         dot_precision="ieee" if q.dtype == torch.float32 else "tf32",
+        bound=bound, bound_strides=(0, 0) if prune_eps is None else bound.stride(),
+        log_eps=0.0 if prune_eps is None else math.log(prune_eps),
     )
 
 
-def triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens=None, max_seqlen=None, seq_start=None):
+def triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens=None, max_seqlen=None, seq_start=None,
+                             prune_eps=None, score_bound=None, pruned_counts=None):
     """Returns (out (B, Tq, Hq, D), lse (B, Hq, Tq) fp32 in the log2 domain). `c` is the float64 cumsum of log f
-    laid out (B, Hq, Tk) with unit stride along Tk; the other arguments are those of `forgetting_attention`."""
+    laid out (B, Hq, Tk) with unit stride along Tk. With `prune_eps`, tiles are pruned against `score_bound`
+    (U >= |sm_scale q.k|, float32 broadcastable to (B, Hq)); `pruned_counts`, an int32 (B, Hq, Tq, 2) tensor, then
+    receives each query row's (skipped keys, visible keys). The other arguments are those of
+    `forgetting_attention`."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, Tq, Hq, D = q.shape
     Tk = k.shape[1]
-    cfg = _common(q, k, cu_seqlens, max_seqlen, seq_start)
+    cfg = _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
     if q.numel() == 0 or cfg["max_q"] == 0:
         return out.zero_(), lse.fill_(float("inf"))
     grid = lambda meta: (triton.cdiv(cfg["max_q"], meta["BLOCK_M"]) * cfg["n_seqs"] * Hq,)  # noqa: E731
     _fwd[grid](
-        q, k, v, c, out, lse, cfg["cu_seqlens"], cfg["seq_start"],
+        q, k, v, c, out, lse, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
+        lse if pruned_counts is None else pruned_counts,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], c.stride(0), c.stride(2), c.stride(1),
-        Tq, Tk, cfg["max_q"], Hq, cfg["group"], sm_scale * LOG2E,
+        *cfg["bound_strides"], Tq, Tk, cfg["max_q"], Hq, cfg["group"], sm_scale * LOG2E, cfg["log_eps"],
         HEAD_DIM=D, BLOCK_D=cfg["block_d"], IS_VARLEN=cu_seqlens is not None,
-        HAS_SEQ_START=seq_start is not None, DOT_PRECISION=cfg["dot_precision"],
+        HAS_SEQ_START=seq_start is not None, DOT_PRECISION=cfg["dot_precision"], PRUNE=prune_eps is not None,
+        COUNT_PRUNED=pruned_counts is not None, SEARCH_WIDTH=SEARCH_WIDTH,
     )
     return out, lse
 
 
 def triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens=None, max_seqlen=None,
-                              seq_start=None):
+                              seq_start=None, prune_eps=None, score_bound=None):
     """Returns (dq, dk, dv, dc) with dc = dL/dc of shape (B, Hq, Tk) in fp32."""
     q, k, v, out, do = (_last_dim_contiguous(t) for t in (q, k, v, out, do))
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
-    cfg = _common(q, k, cu_seqlens, max_seqlen, seq_start)
+    cfg = _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -476,20 +558,23 @@ def triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens=Non
         HEAD_DIM=D, BLOCK_D=cfg["block_d"], BLOCK_M=block,
     )
     common = dict(HEAD_DIM=D, BLOCK_D=cfg["block_d"], IS_VARLEN=cu_seqlens is not None,
-                  HAS_SEQ_START=seq_start is not None, DOT_PRECISION=cfg["dot_precision"])
+                  HAS_SEQ_START=seq_start is not None, DOT_PRECISION=cfg["dot_precision"],
+                  PRUNE=prune_eps is not None, SEARCH_WIDTH=SEARCH_WIDTH)
     c_strides = (c.stride(0), c.stride(2), c.stride(1))
     grid_q = lambda meta: (triton.cdiv(cfg["max_q"], meta["BLOCK_M"]) * cfg["n_seqs"] * Hq,)  # noqa: E731
     _bwd_q[grid_q](
-        q, k, v, c, do, lse, delta, dq, delta_err, cfg["cu_seqlens"], cfg["seq_start"],
+        q, k, v, c, do, lse, delta, dq, delta_err, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *c_strides,
-        Tq, Tk, cfg["max_q"], Hq, cfg["group"], sm_scale * LOG2E, sm_scale, **common,
+        *cfg["bound_strides"], Tq, Tk, cfg["max_q"], Hq, cfg["group"], sm_scale * LOG2E, sm_scale, cfg["log_eps"],
+        **common,
     )
     delta += delta_err
     grid_kv = lambda meta: (triton.cdiv(cfg["max_k"], meta["BLOCK_N"]) * cfg["n_seqs"] * Hkv,)  # noqa: E731
     _bwd_kv[grid_kv](
-        q, k, v, c, do, lse, delta, dk, dv, dc, cfg["cu_seqlens"], cfg["seq_start"],
+        q, k, v, c, do, lse, delta, dk, dv, dc, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-        *c_strides, Tq, Tk, cfg["max_k"], Hq, cfg["group"], sm_scale * LOG2E, sm_scale, **common,
+        *c_strides, *cfg["bound_strides"], Tq, Tk, cfg["max_k"], Hq, cfg["group"], sm_scale * LOG2E, sm_scale,
+        cfg["log_eps"], **common,
     )
     return dq, dk, dv, dc
 

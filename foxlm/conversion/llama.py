@@ -1,0 +1,201 @@
+"""Retrofit forget gates onto a LLaMA-family checkpoint: `convert_llama_to_fox` behind `foxlm convert llama`.
+
+FoX keeps LLaMA's module names, so every pretrained tensor moves over unchanged. The converter adds one forget gate
+per query head and layer (`self_attn.fgate_proj`: zero weights and a bias from `gate_init`), drops RoPE unless
+asked to keep it, and copies the tokenizer and generation config. No q/k permutation is needed: without RoPE,
+`q . k` does not depend on the order of channels within a head.
+"""
+
+import logging
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedConfig
+
+from ..configuration_fox import FoxConfig
+from ..modeling_fox import FoxForCausalLM, fgate_bias_init_values
+from .model_card import write_model_card
+from .output import ConversionError, atomic_output_dir, check_output_dir, torch_dtype
+
+logger = logging.getLogger(__name__)
+
+# model_type -> the architecture foxlm converts; each is LLaMA's block with at most q/k/v biases.
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",  # Llama 2 / 3 / 3.x, SmolLM2, TinyLlama, ...
+    "mistral": "MistralForCausalLM",  # the sliding window is dropped: FoX attends to the whole context
+    "qwen2": "Qwen2ForCausalLM",  # q/k/v projections with biases
+}
+SUPPORTED_TEXT = "LlamaForCausalLM (Llama 2/3, SmolLM2), MistralForCausalLM, Qwen2ForCausalLM"
+
+# Fields that mean the same in FoxConfig as in the source config.
+COPIED_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "hidden_act", "rms_norm_eps", "initializer_range", "max_position_embeddings",
+    "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "attention_dropout",
+)
+
+# Forget-gate initialisations for a retrofit (all start with zero gate weights, so every gate starts data-independent):
+# "open": every head gets bias `gate_bias` (5 gives f = 0.993, a decay time of ~150 tokens);
+# "decay-spread": head h of each layer gets decay time tau_h, log-spaced over [decay_time_min, decay_time_max].
+# decay-spread over 2..512 tokens is the default: on SmolLM2-135M (RoPE dropped, no fine-tuning, 10k-token stdlib
+# sources) its mean loss is 5.40 nats, against 5.56 for decay-spread over 16..16384 and 5.60 for open (bias 5), and it
+# stays flat past the 8k training context (5.33 at 8k-10k, open: 5.80); benchmarks/gate_init_smollm2.py reproduces it.
+GATE_INITS = ("open", "decay-spread")
+DEFAULT_GATE_INIT = "decay-spread"
+DEFAULT_GATE_BIAS = 5.0
+DEFAULT_DECAY_TIMES = (2.0, 512.0)
+
+
+def resolve_source(source):
+    """A local folder, a local GGUF file or a Hub id -> (name_or_path, extra from_pretrained kwargs)."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ConversionError(f"{source} is a file but not a .gguf file; give a folder, a Hub id or a GGUF file.")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.is_dir() or str(source).endswith(".gguf") or str(source).startswith((".", "/", "~")):
+        if not path.is_dir():
+            raise ConversionError(f"{source} does not exist.")
+        return str(path), {}
+    return str(source), {}  # a Hub id, resolved through the Hugging Face cache (works offline once cached)
+
+
+def load_source_config(source):
+    """The source's transformers config, checked to be a supported architecture (reads no weights)."""
+    name_or_path, kwargs = resolve_source(source)
+    try:
+        # The raw dict first: an unsupported model_type may be one transformers cannot even parse.
+        raw, _ = PreTrainedConfig.get_config_dict(name_or_path, **kwargs)
+    except (OSError, ValueError, KeyError) as error:
+        raise ConversionError(f"could not read a model config from {source}: {error}") from error
+    model_type, architectures = raw.get("model_type"), raw.get("architectures") or []
+    expected = SUPPORTED_ARCHITECTURES.get(model_type)
+    if expected is None or any(name != expected for name in architectures):
+        found = ", ".join(architectures) or "no architectures listed"
+        official = "forgetting" in str(model_type)
+        hint = " For the paper's FoX checkpoints use `foxlm convert official`." if official else ""
+        raise ConversionError(
+            f"{source} is a {found} (model_type {model_type!r}); foxlm convert llama supports {SUPPORTED_TEXT}.{hint}"
+        )
+    return AutoConfig.from_pretrained(name_or_path, **kwargs)
+
+
+def fox_config_from_llama(config, *, keep_rope=False, gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS,
+                          decay_times=DEFAULT_DECAY_TIMES):
+    """A FoxConfig with the source's sizes, a data-dependent forget gate and, with `keep_rope`, its RoPE."""
+    if gate_init not in GATE_INITS:
+        raise ConversionError(f"gate_init must be one of {GATE_INITS}, got {gate_init!r}.")
+    fields = {name: getattr(config, name) for name in COPIED_FIELDS if getattr(config, name, None) is not None}
+    fields["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # Qwen2 always has q/k/v biases (its config has no flag); FoX's flag also gives o_proj a bias, which starts at 0.
+    fields["attention_bias"] = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+    fields["mlp_bias"] = getattr(config, "mlp_bias", False)
+    if gate_init == "open":
+        fields["fgate_bias_init"] = float(gate_bias)
+    else:
+        fields["decay_time_min"], fields["decay_time_max"] = map(float, decay_times)
+    if keep_rope:
+        fields.update(use_rope=True, rope_parameters=dict(config.rope_parameters))
+    return FoxConfig(fgate_type="data_dependent", **fields)
+
+
+@torch.no_grad()
+def fox_from_llama(model, **options):
+    """Convert a loaded LLaMA-family model to a FoxForCausalLM that shares its tensors.
+
+    `options` are `fox_config_from_llama`'s. Every new parameter is set here: the forget gates get zero weights and
+    their initial bias, a Qwen2 `o_proj` gets a zero bias.
+    """
+    config = fox_config_from_llama(model.config, **options)
+    state_dict = model.state_dict()
+    dtype = next(iter(state_dict.values())).dtype
+    with torch.device("meta"):
+        fox = FoxForCausalLM(config)
+    missing, unexpected = fox.load_state_dict(state_dict, strict=False, assign=True)
+    unexpected = [key for key in unexpected if not key.endswith("rotary_emb.inv_freq")]
+    if unexpected:
+        raise ConversionError(f"the source has tensors FoX has no place for: {unexpected[:5]}")
+    for name in missing:
+        module_name, _, param_name = name.rpartition(".")
+        module = fox.get_submodule(module_name)
+        if name.endswith("fgate_proj.bias"):
+            value = fgate_bias_init_values(config, module.out_features).to(dtype)
+        elif name.endswith(("fgate_proj.weight", "o_proj.bias")):
+            value = torch.zeros(getattr(module, param_name).shape, dtype=dtype)
+        else:
+            raise ConversionError(f"the source checkpoint has no tensor for {name}")
+        setattr(module, param_name, torch.nn.Parameter(value))
+    if config.use_rope:  # a non-persistent buffer, still on the meta device
+        fox.model.rotary_emb = type(fox.model.rotary_emb)(config=config)
+    still_meta = [name for name, tensor in [*fox.named_parameters(), *fox.named_buffers()] if tensor.is_meta]
+    if still_meta:
+        raise ConversionError(f"no value for {still_meta[:5]}: the converter does not know these FoX tensors yet")
+    if config.tie_word_embeddings:
+        fox.lm_head.weight = fox.model.embed_tokens.weight
+    fox.generation_config = model.generation_config
+    fox.config.dtype = dtype
+    return fox.eval()
+
+
+def convert_llama_to_fox(source, output_dir, *, keep_rope=False, dtype="auto", max_shard_size="5GB", force=False,
+                         gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS, decay_times=DEFAULT_DECAY_TIMES):
+    """Convert a LLaMA-family checkpoint (`source`: folder, Hub id or .gguf file) into a FoX model folder.
+
+    Nothing is written when the source is unsupported or `output_dir` is not empty and `force` is False; the
+    output appears complete or not at all. Returns the output folder as a Path.
+    """
+    check_output_dir(output_dir, force)
+    source_config = load_source_config(source)
+    options = dict(keep_rope=keep_rope, gate_init=gate_init, gate_bias=gate_bias, decay_times=decay_times)
+    fox_config_from_llama(source_config, **options)  # validate the options before loading any weights
+    source_dtype = getattr(source_config, "dtype", None)
+    source_dtype = getattr(torch, source_dtype) if isinstance(source_dtype, str) else source_dtype
+    target_dtype = torch_dtype(dtype, source_dtype)
+    name_or_path, kwargs = resolve_source(source)
+
+    steps = tqdm(total=4, desc="foxlm convert llama", unit="step")
+    steps.set_postfix_str("loading the source model")
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=target_dtype, **kwargs)
+    steps.update()
+    steps.set_postfix_str("adding forget gates")
+    fox = fox_from_llama(model, **options)
+    del model
+    for note in conversion_notes(source_config):
+        logger.warning(note)
+    steps.update()
+    with atomic_output_dir(output_dir, force) as staging:
+        steps.set_postfix_str("saving the model")
+        fox.save_pretrained(staging, max_shard_size=max_shard_size)
+        steps.update()
+        steps.set_postfix_str("saving the tokenizer and model card")
+        tokenizer_saved = save_tokenizer(name_or_path, kwargs, staging)
+        if not (staging / "generation_config.json").exists():
+            GenerationConfig.from_model_config(fox.config).save_pretrained(staging)
+        write_model_card(staging, name=Path(output_dir).name, kind="llama", source=str(source),
+                         source_config=source_config, config=fox.config, options=options, dtype=target_dtype,
+                         tokenizer_saved=tokenizer_saved, notes=conversion_notes(source_config))
+        steps.update()
+    steps.close()
+    return Path(output_dir)
+
+
+def conversion_notes(config):
+    """What else changes for this source, beyond the gates and RoPE (for the log and the model card)."""
+    notes = []
+    if config.model_type == "qwen2":
+        notes.append("`o_proj` has a bias (FoX's `attention_bias` covers all four projections), set to zero.")
+    window = getattr(config, "sliding_window", None)
+    if window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
+        notes.append(f"The sliding window ({window} tokens) is dropped: FoX attends to the whole context.")
+    return notes
+
+
+def save_tokenizer(name_or_path, kwargs, output_dir):
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        logger.warning("no tokenizer saved: could not load one from the source (%s).", error)
+        return False
+    tokenizer.save_pretrained(output_dir)
+    return True

