@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .acp import measured_score_bound, record_pruned_counts, recording_pruned_counts
-from .reference import forgetting_attention_reference
+from .reference import fgate_cumsum_from_log_fgate, forgetting_attention_reference
 
 try:
     from .triton_attention import triton_attention_backward, triton_attention_forward
@@ -170,23 +170,11 @@ def forgetting_attention(
 
 
 def _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start):
-    """c in float64, laid out (B, Hq, Tk) with unit stride along Tk.
-
-    The kernels read c as contiguous vectors and subtract float64 anchors from it (fox-reference.md §4); scanning
-    the last dim also keeps the cumsum parallel (a scan along dim 1 of (1, T, H) runs on H threads).
-    """
-    gate = gate.transpose(1, 2).double()
+    """c in float64, laid out (B, Hq, Tk) with unit stride along Tk: the kernels read c as contiguous vectors and
+    subtract float64 anchors from it (fox-reference.md §4)."""
     if gate_is_cumsum:
-        return gate.contiguous()
-    positions = torch.arange(gate.shape[2], device=gate.device)
-    if seq_start is not None:  # padded positions contribute nothing
-        gate = gate.masked_fill(positions < seq_start[:, None, None], 0.0)
-    c = gate.cumsum(-1)
-    if cu_seqlens is not None:  # restart at every packed sequence
-        before_start = torch.nn.functional.pad(c, (1, 0))[..., cu_seqlens[:-1].long()]
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        c = c - before_start.repeat_interleave(lengths, dim=-1, output_size=c.shape[-1])
-    return c
+        return gate.transpose(1, 2).double().contiguous()
+    return fgate_cumsum_from_log_fgate(gate, cu_seqlens=cu_seqlens, seq_start=seq_start).transpose(1, 2).contiguous()
 
 
 def _gate_gradient(dc, gate_is_cumsum, cu_seqlens, seq_start):

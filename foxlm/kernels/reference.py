@@ -20,20 +20,20 @@ def fgate_cumsum_from_log_fgate(log_fgate, *, cu_seqlens=None, seq_start=None):
 
     The sum restarts at every sequence start given by `cu_seqlens` (packed batches), and positions before
     `seq_start[b]` (left padding) contribute nothing. float64 keeps `c_i - c_j` exact to fp32 precision even when
-    |c| grows to ~1e5 at long T with strong decay.
+    |c| grows to ~1e5 at long T with strong decay. The scan runs over a (batch, heads, seqlen) copy (a scan along
+    the last dim stays parallel on a GPU); the result is a (batch, seqlen, heads) view of it.
     """
-    log_fgate = log_fgate.double()
+    log_fgate = log_fgate.transpose(1, 2).double()
     if seq_start is not None:
-        positions = torch.arange(log_fgate.shape[1], device=log_fgate.device)
-        log_fgate = log_fgate.masked_fill((positions[None, :] < seq_start[:, None])[..., None], 0.0)
-    cumsum = log_fgate.cumsum(dim=1)
+        positions = torch.arange(log_fgate.shape[2], device=log_fgate.device)
+        log_fgate = log_fgate.masked_fill(positions < seq_start[:, None, None], 0.0)
+    cumsum = log_fgate.cumsum(-1)
     if cu_seqlens is not None:
         # Subtract, from every token, the cumulative sum just before its own sequence starts.
-        starts = cu_seqlens[:-1].long()
+        before_start = torch.nn.functional.pad(cumsum, (1, 0))[..., cu_seqlens[:-1].long()]
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        before_start = torch.cat([cumsum.new_zeros(1, 1, cumsum.shape[2]), cumsum[:, :-1]], dim=1)[:, starts]
-        cumsum = cumsum - before_start.repeat_interleave(lengths, dim=1, output_size=cumsum.shape[1])
-    return cumsum
+        cumsum = cumsum - before_start.repeat_interleave(lengths, dim=-1, output_size=cumsum.shape[-1])
+    return cumsum.transpose(1, 2)
 
 
 def _attend_chunk(q, k, v, cumsum_q, cumsum_k, key_valid, sm_scale):
