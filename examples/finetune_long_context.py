@@ -20,7 +20,6 @@ import math
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 from peft import get_peft_model
 from transformers import AutoTokenizer, DataCollatorWithFlattening, Trainer, TrainingArguments
@@ -35,7 +34,7 @@ from foxlm.data import (
     text_files,
     tokenize_documents,
 )
-from foxlm.evaluation import band_means, load_causal_lm, per_token_loss, plot_per_token_loss, write_json
+from foxlm.evaluation import compare_per_token_loss, format_bands, write_per_token_loss_report
 
 ON_GPU = torch.cuda.is_available()
 
@@ -65,6 +64,8 @@ def parse_args(argv=None):
     evaluation.add_argument("--eval-length", type=int, default=32768 if ON_GPU else 512,
                             help="per-token loss up to this position")
     evaluation.add_argument("--eval-docs", type=int, default=16 if ON_GPU else 2, help="held-out documents")
+    evaluation.add_argument("--min-documents", type=int, default=3,
+                            help="plot and average only positions that at least this many documents reach")
     evaluation.add_argument("--skip-original", action="store_true", help="do not evaluate the original model")
     return parser.parse_args(argv)
 
@@ -87,11 +88,11 @@ def load_documents(args, tokenizer):
         train_texts = [p.read_text(errors="replace") for p in train_paths]
         eval_texts = [p.read_text(errors="replace") for p in eval_paths]
     train = tokenize_documents(tokenizer, train_texts)
-    held_out = tokenize_documents(tokenizer, eval_texts[: args.eval_docs])
+    held_out = tokenize_documents(tokenizer, eval_texts[: args.eval_docs], add_eos=False)
     return train, held_out
 
 
-def fine_tune(args, converted_dir, train_docs, run_dir):
+def fine_tune(args, converted_dir, tokenizer, train_docs, run_dir):
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     model = FoxForCausalLM.from_pretrained(converted_dir, dtype=dtype)
     if args.full:
@@ -117,33 +118,23 @@ def fine_tune(args, converted_dir, train_docs, run_dir):
     trainer.train(resume_from_checkpoint=args.resume or None)
     if not args.full:
         trainable.save_pretrained(run_dir / "adapter")
+        tokenizer.save_pretrained(run_dir / "adapter")
         model = trainable.merge_and_unload()
     model.save_pretrained(run_dir / "fine-tuned")
+    tokenizer.save_pretrained(run_dir / "fine-tuned")  # a complete model folder: `foxlm eval` and generate() use it
     return trainer.state.log_history
 
 
 def evaluate(args, models, held_out, run_dir, original_context):
-    device = "cuda" if ON_GPU else "cpu"
-    curves = {}
-    for name, source in models.items():
-        model, _ = load_causal_lm(source, dtype=torch.bfloat16 if ON_GPU else torch.float32, device=device,
-                                  with_tokenizer=False)
-        curves[name], count = per_token_loss(model, held_out, args.eval_length, desc=name)
-        del model
-    edges = [0, 512, 2048, original_context, args.context, args.eval_length]
-    edges = sorted({e for e in edges if e <= args.eval_length})
-    bands = {name: band_means(curve, edges) for name, curve in curves.items()}
-    write_json({"context": args.context, "original_context": original_context, "eval_length": args.eval_length,
-                "documents": len(held_out), "documents_per_position": count.tolist(), "bands": bands,
-                "per_token_loss": {name: np.nan_to_num(c, nan=-1.0).tolist() for name, c in curves.items()}},
-               run_dir / "per_token_loss.json")
-    plot = plot_per_token_loss(curves, run_dir / "per_token_loss.png", train_context=args.context,
-                               original_context=original_context)
-    print(f"\nper-token loss on {len(held_out)} held-out documents (mean over position bands):")
-    print(f"{'model':<32}" + "".join(f"{band:>14}" for band in next(iter(bands.values()))))
-    for name, row in bands.items():
-        print(f"{name:<32}" + "".join(f"{value:>14.3f}" for value in row.values()))
-    print(f"\nplot: {plot}")
+    curves, count = compare_per_token_loss(models, held_out, args.eval_length,
+                                           dtype=torch.bfloat16 if ON_GPU else torch.float32,
+                                           device="cuda" if ON_GPU else "cpu")
+    bands = write_per_token_loss_report(
+        curves, count, run_dir / "per_token_loss.json", run_dir / "per_token_loss.png", train_context=args.context,
+        original_context=original_context, min_documents=args.min_documents, documents=len(held_out),
+    )
+    print(f"\nper-token loss on {len(held_out)} held-out documents, mean over position bands (positions reached "
+          f"by at least {args.min_documents} documents):\n{format_bands(bands)}\n\nplot: {run_dir / 'per_token_loss.png'}")
 
 
 def main(argv=None):
@@ -155,7 +146,7 @@ def main(argv=None):
         convert_llama_to_fox(source, converted_dir, force=args.force)
     tokenizer = AutoTokenizer.from_pretrained(converted_dir)
     train_docs, held_out = load_documents(args, tokenizer)
-    log_history = fine_tune(args, converted_dir, train_docs, run_dir)
+    log_history = fine_tune(args, converted_dir, tokenizer, train_docs, run_dir)
     (run_dir / "train_log.json").write_text(json.dumps(log_history, indent=2))
     original_context = json.loads((converted_dir / "config.json").read_text()).get("max_position_embeddings")
     models = {} if args.skip_original else {"original (RoPE)": source}

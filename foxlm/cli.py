@@ -151,6 +151,136 @@ def add_convert_commands(commands):
     official.set_defaults(func=run_convert_official)
 
 
+def documents_for_eval(args, tokenizer):
+    """Held-out token id lists: `--data stdlib` (held-out standard library files), a glob, or a datasets name."""
+    from foxlm.data import split_files, stdlib_source_files, text_files, tokenize_documents
+
+    if args.data == "stdlib":
+        paths = split_files(stdlib_source_files())[1]
+    elif any(ch in args.data for ch in "*?[") or Path(args.data).exists():
+        paths = text_files(args.data)
+    else:
+        from datasets import load_dataset
+
+        texts = load_dataset(args.data, split=args.split)[args.text_column][: args.num_docs]
+        return tokenize_documents(tokenizer, texts, add_eos=False)
+    paths = sorted(paths, key=lambda p: -p.stat().st_size)[: args.num_docs]  # the longest reach furthest
+    # No EOS: predicting a document's end is not what the curve measures, and it spikes the tail.
+    return tokenize_documents(tokenizer, [p.read_text(errors="replace") for p in paths], add_eos=False)
+
+
+def eval_output_paths(args, *names):
+    """The files an eval command writes; refuses to replace existing ones without --force."""
+    output_dir = Path(args.output_dir)
+    paths = [output_dir / name for name in names]
+    existing = [str(path) for path in paths if path.exists()]
+    if existing and not args.force:
+        sys.exit(f"error: {', '.join(existing)} exists; pass --force to overwrite, or choose --output-dir.")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    return paths
+
+
+def run_per_token_loss(args):
+    """L(i) of each model on the same documents, to JSON and a PNG plot."""
+    from transformers import AutoTokenizer
+
+    from foxlm.conversion.llama import resolve_source
+    from foxlm.evaluation import compare_per_token_loss, format_bands, write_per_token_loss_report
+
+    labels = args.labels.split(",") if args.labels else [str(source) for source in args.models]
+    if len(labels) != len(args.models):
+        sys.exit(f"error: --labels names {len(labels)} models, but {len(args.models)} MODELs were given.")
+    json_path, png_path = eval_output_paths(args, "per_token_loss.json", "per_token_loss.png")
+    name_or_path, kwargs = resolve_source(args.tokenizer or args.models[0])
+    documents = documents_for_eval(args, AutoTokenizer.from_pretrained(name_or_path, **kwargs))
+    on_gpu = torch.cuda.is_available()
+    curves, count = compare_per_token_loss(dict(zip(labels, args.models)), documents, args.max_length,
+                                           dtype=torch.bfloat16 if on_gpu else torch.float32,
+                                           device="cuda" if on_gpu else "cpu")
+    bands = write_per_token_loss_report(curves, count, json_path, png_path, train_context=args.train_context,
+                                        min_documents=args.min_documents, documents=len(documents), data=args.data)
+    print(f"mean loss by position band over {len(documents)} documents (positions reached by at least "
+          f"{args.min_documents}):\n{format_bands(bands)}\nwrote {json_path} and {png_path}")
+
+
+def run_needle(args):
+    """Easy-mode needle-in-a-haystack over context lengths and depths, to JSON and a PNG heatmap."""
+    from foxlm.evaluation import load_causal_lm, needle_in_a_haystack, plot_needle, write_json
+
+    json_path, png_path = eval_output_paths(args, "needle.json", "needle.png")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = load_causal_lm(args.model, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+                                      device=device)
+    haystack = [t for doc in documents_for_eval(args, tokenizer) for t in doc]
+    scores = needle_in_a_haystack(model, tokenizer, haystack, args.context_lengths, args.depths)
+    write_json({"model": str(args.model), "context_lengths": args.context_lengths, "depths": args.depths,
+                "scores": scores.tolist(), "accuracy": float(scores.mean())}, json_path)
+    plot_needle(scores, args.context_lengths, args.depths, png_path, title=f"Needle in a haystack: {args.model}")
+    print(f"accuracy {scores.mean():.2f} over {scores.size} trials; wrote {json_path} and {png_path}")
+
+
+def int_list(text):
+    return [int(x) for x in text.split(",")]
+
+
+def float_list(text):
+    return [float(x) for x in text.split(",")]
+
+
+def add_eval_commands(commands):
+    evaluate = commands.add_parser("eval", help="long-context evaluation: per-token loss, needle in a haystack")
+    kinds = evaluate.add_subparsers(dest="eval_command", required=True)
+
+    def add_data_args(parser, num_docs):
+        parser.add_argument("--data", default="stdlib",
+                            help="'stdlib' (held-out Python standard library files, the default), a glob of text "
+                                 "files, or a `datasets` name")
+        parser.add_argument("--split", default="validation", help="split of a `datasets` --data")
+        parser.add_argument("--text-column", default="text", help="text column of a `datasets` --data")
+        parser.add_argument("--num-docs", type=int, default=num_docs, help="documents to use (longest first)")
+        parser.add_argument("--output-dir", default="foxlm-eval", help="where the JSON and PNG go")
+        parser.add_argument("--force", action="store_true", help="overwrite results already in --output-dir")
+
+    loss = kinds.add_parser(
+        "per-token-loss", help="the paper's L(i) curve for one or more causal LMs, as JSON and a PNG plot",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Mean next-token loss at each position i over long documents, for any causal LM (FoX or\n"
+                    "not): compare a converted model with its original. MODEL: folder, Hub id or .gguf file.\n"
+                    "A curve that keeps falling with i means the model uses the long context.\n\n"
+                    "examples:\n"
+                    "  foxlm eval per-token-loss SmolLM2-135M-Instruct.gguf smollm2-fox --labels original,fox\n"
+                    "  foxlm eval per-token-loss my-fox --data 'books/*.txt' --max-length 32768 --train-context 16384",
+    )
+    loss.add_argument("models", nargs="+", metavar="MODEL")
+    loss.add_argument("--max-length", type=int, default=8192, help="positions to evaluate (tokens per document)")
+    loss.add_argument("--train-context", type=int, default=None, help="mark this training context on the plot")
+    loss.add_argument("--tokenizer", default=None, help="tokenizer source (default: the first MODEL's); every "
+                      "MODEL must share it")
+    loss.add_argument("--min-documents", type=int, default=3, help="leave positions reached by fewer documents "
+                      "out of the plot and the band means (the JSON keeps them)")
+    loss.add_argument("--labels", default=None, help="comma-separated legend names, one per MODEL (default: "
+                      "the MODEL arguments)")
+    add_data_args(loss, num_docs=16)
+    loss.set_defaults(func=run_per_token_loss)
+
+    needle = kinds.add_parser(
+        "needle", help="needle-in-a-haystack (easy mode) over context lengths and depths, JSON + PNG heatmap",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The FoX paper's easy mode: the needle carries its question, the prompt ends with the\n"
+                    "question, and a trial passes when greedy decoding completes the answer. The haystack is\n"
+                    "cut from the --data documents.\n\n"
+                    "example:\n"
+                    "  foxlm eval needle my-fox --context-lengths 2048,8192,32768 --depths 0,0.5,1",
+    )
+    needle.add_argument("model", metavar="MODEL")
+    needle.add_argument("--context-lengths", type=int_list, default=[1024, 2048, 4096, 8192],
+                        help="comma-separated prompt lengths in tokens")
+    needle.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                        help="comma-separated needle depths (0 = start of the haystack)")
+    add_data_args(needle, num_docs=64)
+    needle.set_defaults(func=run_needle)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="foxlm", description="Forgetting Transformer (FoX) tools.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -172,6 +302,7 @@ def build_parser():
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=run_demo)
     add_convert_commands(commands)
+    add_eval_commands(commands)
     return parser
 
 

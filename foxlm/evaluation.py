@@ -4,6 +4,7 @@ Both work for any causal LM (FoX or not), so a converted model can be compared w
 """
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -64,8 +65,20 @@ def smooth(curve, window=101):
 
 
 def band_means(curve, edges):
-    """Mean of `curve` over position bands [a, b) for consecutive `edges`: {"a-b": mean}."""
-    return {f"{a}-{b}": float(np.nanmean(curve[a:b])) for a, b in zip(edges[:-1], edges[1:]) if a < len(curve)}
+    """Mean of `curve` over position bands [a, b) for consecutive `edges`: {"a-b": mean}, None where no position of
+    the band has a value."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN band is reported as None
+        means = {f"{a}-{b}": float(np.nanmean(curve[a:b])) for a, b in zip(edges[:-1], edges[1:]) if a < len(curve)}
+    return {band: None if np.isnan(mean) else mean for band, mean in means.items()}
+
+
+def mask_sparse_positions(curve, count, min_documents):
+    """`curve` with NaN where fewer than `min_documents` documents reach the position: the tail of L(i), where one
+    or two documents remain, is noise rather than a trend."""
+    curve = np.array(curve, dtype=np.float64)
+    curve[np.asarray(count) < min_documents] = np.nan
+    return curve
 
 
 def plot_per_token_loss(curves, path, train_context=None, original_context=None, window=101):
@@ -79,21 +92,60 @@ def plot_per_token_loss(curves, path, train_context=None, original_context=None,
     for name, curve in curves.items():
         positions = np.arange(1, len(curve) + 1)
         ax.plot(positions, smooth(curve, window), label=name, linewidth=1.5)
-    for context, label, style in ((original_context, "original context", ":"), (train_context, "training context",
-                                                                                   "--")):
+    for context, label, style in ((original_context, "original model's context", ":"),
+                                  (train_context, "fine-tuning context", "--")):
         if context:
-            ax.axvline(context, color="grey", linestyle=style, linewidth=1)
-            ax.text(context, ax.get_ylim()[1], f" {label}", va="top", fontsize=8, color="grey")
+            ax.axvline(context, color="grey", linestyle=style, linewidth=1, label=f"{label} ({context})")
     ax.set_xscale("log")
     ax.set_xlabel("token position i")
     ax.set_ylabel(f"loss L(i) (moving average over {window} tokens)")
     ax.set_title("Per-token loss")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def compare_per_token_loss(sources, documents, max_length, dtype=None, device=None):
+    """L(i) of several models on the same documents: ({label: curve}, count). `sources`: {label: folder, Hub id or
+    .gguf file}; models are loaded one at a time."""
+    curves, count = {}, None
+    for label, source in sources.items():
+        model, _ = load_causal_lm(source, dtype=dtype, device=device, with_tokenizer=False)
+        curves[label], count = per_token_loss(model, documents, max_length, desc=label)
+        del model
+    return curves, count
+
+
+def write_per_token_loss_report(curves, count, json_path, png_path, train_context=None, original_context=None,
+                                min_documents=3, **metadata):
+    """The JSON (raw curves, documents per position, band means) and the PNG plot of a per-token loss comparison.
+
+    Plot and band means leave out positions reached by fewer than `min_documents` documents; the JSON keeps every
+    raw value (null where no document reaches). Returns the band means {label: {"a-b": mean}}.
+    """
+    max_length = len(count) + 1
+    edges = sorted({0} | {e for e in (512, 2048, original_context, train_context, max_length) if e and e <= max_length})
+    shown = {label: mask_sparse_positions(curve, count, min_documents) for label, curve in curves.items()}
+    bands = {label: band_means(curve, edges) for label, curve in shown.items()}
+    raw = {label: [None if np.isnan(x) else float(x) for x in curve] for label, curve in curves.items()}
+    write_json({**metadata, "max_length": max_length, "train_context": train_context,
+                "original_context": original_context, "min_documents": min_documents,
+                "documents_per_position": count.astype(int).tolist(), "bands": bands, "per_token_loss": raw},
+               json_path)
+    plot_per_token_loss(shown, png_path, train_context=train_context, original_context=original_context)
+    return bands
+
+
+def format_bands(bands):
+    """The band means as a text table, one row per model."""
+    header = next(iter(bands.values()))
+    lines = [f"{'model':<34}" + "".join(f"{band:>13}" for band in header)]
+    for label, row in bands.items():
+        lines.append(f"{label:<34}" + "".join(f"{'-' if v is None else f'{v:.3f}':>13}" for v in row.values()))
+    return "\n".join(lines)
 
 
 NEEDLE_QUESTION = "What is the best thing to do in San Francisco? Answer: The best thing to do in San Francisco is"

@@ -301,6 +301,8 @@ class FoxAttention(nn.Module):
         if position_embeddings is not None:
             cos, sin = position_embeddings
             q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        # Under autocast, fp32 norm scales and RoPE tables promote q and k to fp32; v keeps the compute dtype.
+        q, k = q.to(v.dtype), k.to(v.dtype)
 
         attention_kwargs = dict(sm_scale=self.scaling, backend=self.config.attention_backend)
         if cache_layer is not None:

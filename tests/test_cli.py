@@ -1,4 +1,8 @@
+import json
+
+import numpy as np
 import pytest
+import torch
 
 from foxlm.cli import main
 
@@ -16,3 +20,64 @@ def test_demo_refuses_to_overwrite_without_force(tmp_path):
     with pytest.raises(SystemExit, match="--force"):
         main(["demo", "--output-dir", str(tmp_path)])
     assert (tmp_path / "keep.txt").read_text() == "user data"
+
+
+@pytest.fixture
+def saved_models(tmp_path):
+    """A tiny LLaMA and a tiny FoX saved with one byte-level tokenizer, and a folder of text documents."""
+    from conftest import byte_tokenizer, tiny_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=256,
+                                         eos_token_id=257, pad_token_id=257))
+    fox = tiny_model(vocab_size=258, bos_token_id=256, eos_token_id=257, pad_token_id=257)
+    for name, model in (("llama", llama), ("fox", fox)):
+        model.save_pretrained(tmp_path / name)
+        byte_tokenizer().save_pretrained(tmp_path / name)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"doc{i}.txt").write_text(f"class Thing{i}:\n    value = {i}\n" * (10 + 10 * i))
+    return tmp_path
+
+
+def test_eval_per_token_loss_compares_models_and_matches_the_library_function(saved_models, capsys):
+    from foxlm.data import tokenize_documents
+    from foxlm.evaluation import load_causal_lm, per_token_loss
+
+    out = saved_models / "eval"
+    main(["eval", "per-token-loss", str(saved_models / "fox"), str(saved_models / "llama"), "--labels",
+          "fox,llama", "--data", str(saved_models / "docs" / "*.txt"), "--max-length", "200", "--train-context",
+          "100", "--output-dir", str(out)])
+    result = json.loads((out / "per_token_loss.json").read_text())
+    assert (out / "per_token_loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert set(result["per_token_loss"]) == {"llama", "fox"} and result["documents"] == 3
+    assert list(result["bands"]["fox"]) == ["0-100", "100-200"]
+    # The CLI's curve is the library's on the same documents (longest first: all three here), tokenized by the
+    # first MODEL's tokenizer.
+    model, tokenizer = load_causal_lm(saved_models / "fox")
+    docs = tokenize_documents(tokenizer, [(saved_models / "docs" / f"doc{i}.txt").read_text() for i in (2, 1, 0)],
+                              add_eos=False)
+    expected, count = per_token_loss(model, docs, 200)
+    np.testing.assert_allclose(result["per_token_loss"]["fox"], expected, rtol=1e-5)
+    assert result["documents_per_position"] == count.tolist()
+    table = capsys.readouterr().out
+    assert "0-100" in table and "\nllama " in table
+
+    with pytest.raises(SystemExit, match="--force"):  # results are not replaced silently
+        main(["eval", "per-token-loss", str(saved_models / "fox"), "--data", str(saved_models / "docs" / "*.txt"),
+              "--output-dir", str(out)])
+    with pytest.raises(SystemExit, match="--labels"):
+        main(["eval", "per-token-loss", str(saved_models / "fox"), "--labels", "a,b", "--output-dir",
+              str(saved_models / "other")])
+
+
+def test_eval_needle_writes_a_score_grid_and_heatmap(saved_models):
+    out = saved_models / "needle"
+    main(["eval", "needle", str(saved_models / "fox"), "--data", str(saved_models / "docs" / "*.txt"),
+          "--context-lengths", "400,800", "--depths", "0,1", "--output-dir", str(out)])
+    result = json.loads((out / "needle.json").read_text())
+    assert np.array(result["scores"]).shape == (2, 2) and 0.0 <= result["accuracy"] <= 1.0
+    assert (out / "needle.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,21 +1,17 @@
 """examples/finetune_long_context.py runs end to end: convert, fine-tune with LoRA, save, evaluate, plot."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import torch
-from conftest import byte_tokenizer
+from conftest import byte_tokenizer, load_script
 from transformers import LlamaConfig, LlamaForCausalLM
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "finetune_long_context.py"
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("finetune_long_context", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE)
 
 
 def test_convert_finetune_evaluate_on_a_tiny_llama(tmp_path):

@@ -1,5 +1,7 @@
 """Long-context data, the LoRA setup, and the per-token-loss / needle evaluations."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from foxlm.evaluation import (
     plot_needle,
     plot_per_token_loss,
     smooth,
+    write_per_token_loss_report,
 )
 from foxlm.training import fox_lora_config, optimizer_param_groups
 
@@ -119,6 +122,19 @@ def test_plots_are_written_as_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     path = plot_needle(np.eye(3), [1024, 2048, 4096], [0.0, 0.5, 1.0], tmp_path / "needle.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_leaves_sparse_positions_out_of_bands_and_plot_but_keeps_them_raw(tmp_path):
+    count = np.array([3] * 6 + [2] * 5 + [1] * 4)
+    curve = np.arange(15, dtype=np.float64)
+    curve[12] = np.nan  # no document there
+    bands = write_per_token_loss_report({"m": curve}, count, tmp_path / "r.json", tmp_path / "r.png",
+                                        train_context=8, min_documents=2)
+    assert bands == {"m": {"0-8": pytest.approx(3.5), "8-16": pytest.approx(9.0)}}  # positions 8..10 only
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["per_token_loss"]["m"][11] == 11.0 and saved["per_token_loss"]["m"][12] is None
+    assert saved["documents_per_position"] == count.tolist()
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_needle_scores_have_one_cell_per_depth_and_context(make_config):
