@@ -17,7 +17,7 @@ Design (fox-reference.md §3-4):
   key-stationary dK/dV pass then uses the corrected delta. dK/dV programs loop over the query heads of their GQA group,
   so dK/dV are reduced in registers (no per-query-head copy), and they own `dc_j = -sum_i dS_ij` (the row sums of dS
   vanish, fox-reference.md §3); `d log f` is then a float64 reverse cumsum.
-- 1-D grids (no 65535 limit on y/z), 64-bit base offsets, heavy causal blocks launched first.
+- 1-D grids (no 65535 limit on y/z), 64-bit base offsets, heavy blocks launched first (`_heaviest_first`).
 - Adaptive Computation Pruning (fox-reference.md §5), when `prune_eps` is given: a tile with first query i0
   and last key j1 has every bias `<= c_i0 - c_j1`, and is skipped when that is below `delta = log eps - 2U - log L`
   (then each query loses at most eps of its attention mass). c is monotone, so the kept key blocks of a query block
@@ -82,6 +82,18 @@ def _sequence(CU_SEQLENS, SEQ_START, b, Tq, Tk, IS_VARLEN: tl.constexpr, HAS_SEQ
     else:
         kv_start = b * 0
     return batch.to(tl.int64), bos, seq_q, seq_k, kv_start
+
+
+@triton.jit
+def _heaviest_first(pid, num_blocks, ACROSS_HEADS: tl.constexpr):
+    """(sequence * heads + head, i) of program `pid`, i = 0 for the block with the most causal work. Heavy blocks go
+    first so that the scheduler's last programs are short (list scheduling). Head by head keeps a head's K/V hot in
+    L2 (4-7% faster at T = 2k-4k than interleaving heads); with pruning, heads differ in work by 100x and the last
+    head's heavy blocks would form a long tail, so the heavy blocks of all heads go first (8-15% faster at 16k)."""
+    if ACROSS_HEADS:
+        num_bh = tl.num_programs(0) // num_blocks
+        return pid % num_bh, pid // num_bh
+    return pid // num_blocks, pid % num_blocks
 
 
 @triton.jit
@@ -167,8 +179,8 @@ def _fwd_kernel(Q, K, V, C, O, LSE, CU_SEQLENS, SEQ_START, BOUND, PRUNED,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(max_seqlen_q, BLOCK_M)
-    bh = pid // num_m
-    start_m = (num_m - 1 - pid % num_m) * BLOCK_M  # the longest causal rows first
+    bh, heavy_rank = _heaviest_first(pid, num_m, PRUNE)
+    start_m = (num_m - 1 - heavy_rank) * BLOCK_M  # the longest causal rows first
     b = bh // num_heads
     h = bh % num_heads
     batch, bos, seq_q, seq_k, kv_start = _sequence(CU_SEQLENS, SEQ_START, b, Tq, Tk, IS_VARLEN, HAS_SEQ_START)
@@ -272,8 +284,8 @@ def _bwd_kv_kernel(Q, K, V, C, DO, LSE, DELTA, DK, DV, DC, CU_SEQLENS, SEQ_START
                    SEARCH_WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_n = tl.cdiv(max_seqlen_k, BLOCK_N)
-    bh = pid // num_n
-    start_n = (pid % num_n) * BLOCK_N  # the earliest keys, seen by the most queries, first
+    bh, heavy_rank = _heaviest_first(pid, num_n, PRUNE)
+    start_n = heavy_rank * BLOCK_N  # the earliest keys, seen by the most queries, first
     num_kv_heads = num_heads // group
     b = bh // num_kv_heads
     h_kv = bh % num_kv_heads
@@ -364,8 +376,8 @@ def _bwd_q_kernel(Q, K, V, C, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, SEQ_STA
                   SEARCH_WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(max_seqlen_q, BLOCK_M)
-    bh = pid // num_m
-    start_m = (num_m - 1 - pid % num_m) * BLOCK_M
+    bh, heavy_rank = _heaviest_first(pid, num_m, PRUNE)
+    start_m = (num_m - 1 - heavy_rank) * BLOCK_M  # the longest causal rows first
     b = bh // num_heads
     h = bh % num_heads
     batch, bos, seq_q, seq_k, kv_start = _sequence(CU_SEQLENS, SEQ_START, b, Tq, Tk, IS_VARLEN, HAS_SEQ_START)
@@ -498,13 +510,18 @@ def _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
     else:
         n_seqs, max_q, max_k = B, Tq, Tk
     seq_start = None if seq_start is None else seq_start.to(device=q.device, dtype=torch.int32)
-    # Pruning: U per (batch, query head), broadcast through strides; q stands in for the pointer when unused.
-    bound = q if prune_eps is None else score_bound.to(device=q.device, dtype=torch.float32).expand(B, Hq)
+    # Pruning: U per (batch, query head), broadcast through strides. Unused pointers still get tensors of the same
+    # dtypes: the autotuner keys on argument dtypes, and pruned and unpruned launches must share one configuration
+    # (pruning nothing is then bit-identical to not pruning, at the same speed).
+    if prune_eps is None:
+        bound = q.new_empty((1,), dtype=torch.float32).expand(B, Hq)
+    else:
+        bound = score_bound.to(device=q.device, dtype=torch.float32).expand(B, Hq)
     return dict(
         n_seqs=n_seqs, max_q=max_q, max_k=max_k, cu_seqlens=cu_seqlens, seq_start=seq_start,
         block_d=max(16, triton.next_power_of_2(D)), group=Hq // k.shape[2],
         dot_precision="ieee" if q.dtype == torch.float32 else "tf32",
-        bound=bound, bound_strides=(0, 0) if prune_eps is None else bound.stride(),
+        bound=bound, bound_strides=bound.stride(),
         log_eps=0.0 if prune_eps is None else math.log(prune_eps),
     )
 
@@ -527,7 +544,7 @@ def triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens=None, max_seqlen=N
     grid = lambda meta: (triton.cdiv(cfg["max_q"], meta["BLOCK_M"]) * cfg["n_seqs"] * Hq,)  # noqa: E731
     _fwd[grid](
         q, k, v, c, out, lse, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
-        lse if pruned_counts is None else pruned_counts,
+        q.new_empty((1,), dtype=torch.int32) if pruned_counts is None else pruned_counts,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], c.stride(0), c.stride(2), c.stride(1),
         *cfg["bound_strides"], Tq, Tk, cfg["max_q"], Hq, cfg["group"], sm_scale * LOG2E, cfg["log_eps"],
         HEAD_DIM=D, BLOCK_D=cfg["block_d"], IS_VARLEN=cu_seqlens is not None,
