@@ -5,15 +5,17 @@ One run on one GPU, bf16, three parts (each can be skipped):
   bandwidth = bytes of K and V read (2 * B * L * Hkv * D * 2) / time, for our kernel and for PyTorch SDPA
   (`enable_gqa`) on the same (B, Hkv, L, D) cache (SDPA without the forget bias: what plain decoding costs).
 - generate: tokens/s of `generate()` (greedy, batch 1, 256 new tokens after an 8k or 32k prompt, prefill included
-  and reported apart) for a FoxForCausalLM and a LlamaForCausalLM (SDPA) of the same size.
-- eviction: cache memory after a 128k-token prompt and 64 new tokens, on a FoX model whose KV heads are 70% fast
-  forgetting, with and without `decode_kv_eviction`.
+  and reported apart) for a FoxForCausalLM and a LlamaForCausalLM (SDPA, default backend and flash forced) of the
+  same size.
+- eviction: cache memory after a 128k-token prompt and 64 new tokens (bf16), on a FoX model whose KV heads are 70%
+  fast forgetting, with and without `decode_kv_eviction`; and whether greedy tokens stay the same (fp32, 16k prompt).
 Results go to benchmarks/results/decode_<device>_<date>.json (written after every part) and are printed.
 
     python benchmarks/bench_decode.py [--parts attention,generate,eviction] [--out DIR]
 """
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -27,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 import triton  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from foxlm import FoxConfig, FoxForCausalLM  # noqa: E402
@@ -85,14 +88,19 @@ def same_size_models():
 
 
 def bench_generate(results, new_tokens=256):
+    """generate() tokens/s. LLaMA runs twice: with SDPA's default backend choice (what `attn_implementation="sdpa"`
+    gives users; on an H100 decoding picks cuDNN) and with SDPA's flash backend forced."""
     rows = results.setdefault("generate", [])
     for name, model in same_size_models().items():
         model = model.to("cuda", torch.bfloat16).eval()
-        for prompt in (8192, 32768):
+        backends = {"fox": [None], "llama": [None, SDPBackend.FLASH_ATTENTION]}[name]
+        for backend, prompt in ((backend, prompt) for prompt in (8192, 32768) for backend in backends):
             ids = torch.randint(3, 32000, (1, prompt), device="cuda")
             kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None, pad_token_id=0)
-            with torch.no_grad():
-                model.generate(ids, max_new_tokens=8, **kwargs)  # warm up at this prompt length (autotune, caches)
+            with torch.no_grad(), sdpa_kernel(backend) if backend else contextlib.nullcontext():
+                # Warm up at this prompt length (autotuning; cache lengths with and without a factor of 16 run
+                # differently specialised kernels, so 17 steps compile both before the timed runs).
+                model.generate(ids, max_new_tokens=17, **kwargs)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 model.generate(ids, max_new_tokens=1, **kwargs)
@@ -102,7 +110,8 @@ def bench_generate(results, new_tokens=256):
                 model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
                 torch.cuda.synchronize()
                 total_s = time.perf_counter() - start
-            row = dict(model=name, prompt=prompt, new_tokens=new_tokens, prefill_s=prefill_s, total_s=total_s,
+            label = name if backend is None else f"{name} (SDPA flash forced)"
+            row = dict(model=label, prompt=prompt, new_tokens=new_tokens, prefill_s=prefill_s, total_s=total_s,
                        tokens_per_s=new_tokens / total_s,
                        decode_tokens_per_s=(new_tokens - 1) / max(total_s - prefill_s, 1e-9))
             rows.append(row)
@@ -112,45 +121,67 @@ def bench_generate(results, new_tokens=256):
         torch.cuda.empty_cache()
 
 
-def bench_eviction(results, prompt=131072, fast_fraction=0.7):
+def eviction_model(evict, max_positions, dtype, fast_fraction=0.7, kv_heads=10):
+    """A 4-layer FoX with QK-norm whose KV heads are 70% fast forgetting (log f ~ -2, ~20-token memory) and 30% slow
+    (bias 8: they barely forget), with or without `decode_kv_eviction`."""
+    config = FoxConfig.fox_llama(
+        vocab_size=32000, hidden_size=1280, intermediate_size=3584, num_hidden_layers=4, num_attention_heads=kv_heads,
+        num_key_value_heads=kv_heads, qk_norm=True, max_position_embeddings=max_positions, decode_kv_eviction=evict,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = FoxForCausalLM(config).to(dtype).eval()
+    fast = round(fast_fraction * kv_heads)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.fgate_proj.bias.copy_(torch.tensor([-2.0] * fast + [8.0] * (kv_heads - fast)))
+    return model, fast
+
+
+def bench_eviction(results, prompt=131072, same_tokens_prompt=16384, new_tokens=64):
+    """Cache memory after a 128k-token prompt with and without eviction (bf16), and whether greedy decoding gives
+    the same tokens (fp32: a random-init model's top logits are near ties, which bf16 rounding alone can flip)."""
     rows = results.setdefault("eviction", [])
-    kv_heads = 10
     for evict in (False, True):
-        config = FoxConfig.fox_llama(
-            vocab_size=32000, hidden_size=1280, intermediate_size=3584, num_hidden_layers=4, num_attention_heads=10,
-            num_key_value_heads=kv_heads, qk_norm=True, max_position_embeddings=prompt, decode_kv_eviction=evict,
-        )
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = FoxForCausalLM(config).to(torch.bfloat16).eval()
-        fast = round(fast_fraction * kv_heads)
-        with torch.no_grad():  # heads 0..6 forget within ~20 tokens (log f ~ -2), the rest barely forget
-            for layer in model.model.layers:
-                layer.self_attn.fgate_proj.bias.copy_(torch.tensor([-2.0] * fast + [8.0] * (kv_heads - fast)))
+        model, fast = eviction_model(evict, prompt, torch.bfloat16)
         weights = torch.cuda.memory_allocated()
-        ids = torch.randint(3, 32000, (1, prompt), device="cuda")
+        ids = torch.randint(3, 32000, (1, prompt), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=0,
+            out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
                                  return_dict_in_generate=True)
         del ids
         gc.collect()
         torch.cuda.empty_cache()
         cache = out.past_key_values
-        row = dict(decode_kv_eviction=evict, prompt=prompt, fast_kv_heads=fast, kv_heads=kv_heads,
+        config = model.config
+        row = dict(decode_kv_eviction=evict, prompt=prompt, fast_kv_heads=fast, kv_heads=config.num_key_value_heads,
                    layers=config.num_hidden_layers, cached_length=cache.get_seq_length(),
                    stored_tokens_per_layer=cache.layers[0].num_stored_tokens(),
-                   cache_gbytes=(torch.cuda.memory_allocated() - weights) / 1e9,
-                   tokens=out.sequences[0, -64:].tolist())
+                   cache_gbytes=(torch.cuda.memory_allocated() - weights) / 1e9)
         rows.append(row)
-        print({key: val for key, val in row.items() if key != "tokens"}, flush=True)
+        print(row, flush=True)
         del model, out, cache
         gc.collect()
         torch.cuda.empty_cache()
-    full, evicted = rows
+    full, evicted = rows[-2:]
     results["eviction_memory_reduction_pct"] = 100 * (1 - evicted["cache_gbytes"] / max(full["cache_gbytes"], 1e-9))
     results["eviction_stored_tokens_reduction_pct"] = 100 * (
         1 - evicted["stored_tokens_per_layer"] / full["stored_tokens_per_layer"])
-    results["eviction_same_tokens"] = full["tokens"] == evicted["tokens"]
+    tokens = {}
+    for evict in (False, True):
+        model, _ = eviction_model(evict, same_tokens_prompt, torch.float32)
+        ids = torch.randint(3, 32000, (1, same_tokens_prompt), device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(1))
+        with torch.no_grad():
+            tokens[evict] = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                           pad_token_id=0)[0, same_tokens_prompt:].tolist()
+        del model
+        torch.cuda.empty_cache()
+    results["eviction_same_tokens"] = dict(prompt=same_tokens_prompt, new_tokens=new_tokens, dtype="float32",
+                                           same=tokens[False] == tokens[True],
+                                           first_difference=next((i for i, (a, b) in enumerate(zip(*tokens.values()))
+                                                                  if a != b), None))
+    print("eviction:", {key: results[key] for key in results if key.startswith("eviction_")}, flush=True)
 
 
 def main():

@@ -35,6 +35,9 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 # Candidates per round of the pruning boundary search: 32^2 blocks (64k keys at 64-key blocks) in two rounds.
 SEARCH_WIDTH = 32
+# Heads per group of `_heaviest_first` when pruning (heads then differ in work): ordering heavy blocks across all
+# heads evens out the scheduler's tail, but more heads in flight than fit in L2 cost when the work is dense.
+PRUNED_HEAD_GROUP = 4
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # FOXLM_AUTOTUNE=0 takes the first (expected best) configuration of each list instead of timing them all.
 _AUTOTUNE = os.environ.get("FOXLM_AUTOTUNE", "1") != "0"
@@ -85,15 +88,15 @@ def _sequence(CU_SEQLENS, SEQ_START, b, Tq, Tk, IS_VARLEN: tl.constexpr, HAS_SEQ
 
 
 @triton.jit
-def _heaviest_first(pid, num_blocks, ACROSS_HEADS: tl.constexpr):
-    """(sequence * heads + head, i) of program `pid`, i = 0 for the block with the most causal work. Heavy blocks go
-    first so that the scheduler's last programs are short (list scheduling). Head by head keeps a head's K/V hot in
-    L2 (4-7% faster at T = 2k-4k than interleaving heads); with pruning, heads differ in work by 100x and the last
-    head's heavy blocks would form a long tail, so the heavy blocks of all heads go first (8-15% faster at 16k)."""
-    if ACROSS_HEADS:
-        num_bh = tl.num_programs(0) // num_blocks
-        return pid % num_bh, pid // num_bh
-    return pid // num_blocks, pid % num_blocks
+def _heaviest_first(pid, num_blocks, HEAD_GROUP: tl.constexpr):
+    """(sequence * heads + head, i) of program `pid`, i = 0 for the block with the most causal work: heads go in
+    groups of HEAD_GROUP and within a group the heavy blocks of all its heads go first, so the scheduler's last
+    programs are short (list scheduling) while the K/V of the few heads in flight stay in L2."""
+    num_bh = tl.num_programs(0) // num_blocks
+    group_start = pid // (HEAD_GROUP * num_blocks) * HEAD_GROUP
+    group_size = tl.minimum(HEAD_GROUP, num_bh - group_start)  # the last group may be smaller
+    local = pid - group_start * num_blocks
+    return group_start + local % group_size, local // group_size
 
 
 @triton.jit
@@ -175,11 +178,11 @@ def _fwd_kernel(Q, K, V, C, O, LSE, CU_SEQLENS, SEQ_START, BOUND, PRUNED,
                 Tq, Tk, max_seqlen_q, num_heads, group, qk_scale, log_eps,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
                 HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
-                COUNT_PRUNED: tl.constexpr, SEARCH_WIDTH: tl.constexpr,
+                COUNT_PRUNED: tl.constexpr, SEARCH_WIDTH: tl.constexpr, HEAD_GROUP: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(max_seqlen_q, BLOCK_M)
-    bh, heavy_rank = _heaviest_first(pid, num_m, PRUNE)
+    bh, heavy_rank = _heaviest_first(pid, num_m, HEAD_GROUP)
     start_m = (num_m - 1 - heavy_rank) * BLOCK_M  # the longest causal rows first
     b = bh // num_heads
     h = bh % num_heads
@@ -281,10 +284,11 @@ def _bwd_kv_kernel(Q, K, V, C, DO, LSE, DELTA, DK, DV, DC, CU_SEQLENS, SEQ_START
                    Tq, Tk, max_seqlen_k, num_heads, group, qk_scale, sm_scale, log_eps,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
                    HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
-                   SEARCH_WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   SEARCH_WIDTH: tl.constexpr, HEAD_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_n = tl.cdiv(max_seqlen_k, BLOCK_N)
-    bh, heavy_rank = _heaviest_first(pid, num_n, PRUNE)
+    bh, heavy_rank = _heaviest_first(pid, num_n, HEAD_GROUP)
     start_n = heavy_rank * BLOCK_N  # the earliest keys, seen by the most queries, first
     num_kv_heads = num_heads // group
     b = bh // num_kv_heads
@@ -373,10 +377,11 @@ def _bwd_q_kernel(Q, K, V, C, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, SEQ_STA
                   Tq, Tk, max_seqlen_q, num_heads, group, qk_scale, sm_scale, log_eps,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
                   HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
-                  SEARCH_WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  SEARCH_WIDTH: tl.constexpr, HEAD_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(max_seqlen_q, BLOCK_M)
-    bh, heavy_rank = _heaviest_first(pid, num_m, PRUNE)
+    bh, heavy_rank = _heaviest_first(pid, num_m, HEAD_GROUP)
     start_m = (num_m - 1 - heavy_rank) * BLOCK_M  # the longest causal rows first
     b = bh // num_heads
     h = bh % num_heads
@@ -523,6 +528,7 @@ def _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
         dot_precision="ieee" if q.dtype == torch.float32 else "tf32",
         bound=bound, bound_strides=bound.stride(),
         log_eps=0.0 if prune_eps is None else math.log(prune_eps),
+        head_group=1 if prune_eps is None else PRUNED_HEAD_GROUP,
     )
 
 
@@ -549,7 +555,7 @@ def triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens=None, max_seqlen=N
         *cfg["bound_strides"], Tq, Tk, cfg["max_q"], Hq, cfg["group"], sm_scale * LOG2E, cfg["log_eps"],
         HEAD_DIM=D, BLOCK_D=cfg["block_d"], IS_VARLEN=cu_seqlens is not None,
         HAS_SEQ_START=seq_start is not None, DOT_PRECISION=cfg["dot_precision"], PRUNE=prune_eps is not None,
-        COUNT_PRUNED=pruned_counts is not None, SEARCH_WIDTH=SEARCH_WIDTH,
+        COUNT_PRUNED=pruned_counts is not None, SEARCH_WIDTH=SEARCH_WIDTH, HEAD_GROUP=cfg["head_group"],
     )
     return out, lse
 
@@ -576,7 +582,7 @@ def triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens=Non
     )
     common = dict(HEAD_DIM=D, BLOCK_D=cfg["block_d"], IS_VARLEN=cu_seqlens is not None,
                   HAS_SEQ_START=seq_start is not None, DOT_PRECISION=cfg["dot_precision"],
-                  PRUNE=prune_eps is not None, SEARCH_WIDTH=SEARCH_WIDTH)
+                  PRUNE=prune_eps is not None, SEARCH_WIDTH=SEARCH_WIDTH, HEAD_GROUP=cfg["head_group"])
     c_strides = (c.stride(0), c.stride(2), c.stride(1))
     grid_q = lambda meta: (triton.cdiv(cfg["max_q"], meta["BLOCK_M"]) * cfg["n_seqs"] * Hq,)  # noqa: E731
     _bwd_q[grid_q](
