@@ -28,6 +28,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration_fox import FoxConfig
 from .kernels.decode import MAX_DECODE_QUERIES, forgetting_decode
 from .kernels.interface import forgetting_attention
+from .kernels.layer_ops import head_rms_norm, token_shift
 from .remote_code import AUTO_MAP, write_remote_code
 
 
@@ -51,18 +52,16 @@ class FoxRMSNorm(nn.Module):
 
 
 class FoxHeadRMSNorm(FoxRMSNorm):
-    """RMSNorm of each head's vector (..., heads, head_dim), one scale per head and channel (QK-norm, output norm)."""
+    """RMSNorm of each head's vector (..., heads, head_dim), one scale per head and channel (QK-norm, output norm),
+    times `sigmoid(gate_logits)` when given (the output gate): one fused kernel on the GPU. Returns the input's dtype.
+    """
 
     def __init__(self, num_heads, head_dim, eps):
         super().__init__(num_heads * head_dim, eps)
         self.num_heads, self.head_dim = num_heads, head_dim
 
-    def forward(self, hidden_states):
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight.view(self.num_heads, self.head_dim) * hidden_states.to(input_dtype)
+    def forward(self, hidden_states, gate_logits=None, backend="auto"):
+        return head_rms_norm(hidden_states, self.weight, self.variance_epsilon, gate_logits, backend=backend)
 
 
 class FoxMLP(nn.Module):
@@ -116,19 +115,6 @@ class FoxForgetGateBias(nn.Module):
 
 class FoxShiftProj(nn.Linear):
     """Token-shift mixing logits `w . x` (no bias), one per key/value head (FoX Pro K/V shift)."""
-
-
-def token_shift(raw, alpha, previous, doc_start):
-    """`out_t = alpha_t * raw_{t-1} + (1 - alpha_t) * raw_t` along dim 1.
-
-    raw (B, T, H, D); alpha (B, T, H, 1) fp32; previous (B, 1, H, D): the raw projection of the token before this
-    chunk (a cache's shift state; zeros at the start); doc_start (B, T) bool or None: tokens that begin a packed
-    document, whose previous token is taken as zero.
-    """
-    shifted = torch.cat([previous.to(raw.dtype), raw[:, :-1]], dim=1)
-    if doc_start is not None:
-        shifted = shifted.masked_fill(doc_start[:, :, None, None], 0.0)
-    return (alpha * shifted.float() + (1 - alpha) * raw.float()).to(raw.dtype)
 
 
 @dataclass
@@ -195,9 +181,11 @@ class FoxAttention(nn.Module):
         return hidden_states.new_zeros(*hidden_states.shape[:-1], self.num_heads, dtype=torch.float32)
 
     def _token_shift(self, shift_proj, raw, name, hidden_states, cache_layer, layout):
+        """`alpha_t * raw_{t-1} + (1 - alpha_t) * raw_t` with `alpha = sigmoid(shift_proj(x))`; the token before the
+        chunk is the cache's shift state (zeros without a cache), and packed documents start from zero."""
         previous = cache_layer.shift_state(name, raw) if cache_layer is not None else torch.zeros_like(raw[:, :1])
-        alpha = torch.sigmoid(shift_proj(hidden_states).float())[..., None]
-        return token_shift(raw, alpha, previous, layout.doc_start)
+        return token_shift(raw, shift_proj(hidden_states), previous, layout.doc_start,
+                           backend=self.config.attention_backend)
 
     def _acp_bound(self, q, cache_layer):
         """U >= |sm_scale q.k| per (batch, query head) (fox-reference.md §5): from the QK-norm scales (then valid for
@@ -296,15 +284,16 @@ class FoxAttention(nn.Module):
         if self.v_shift_proj is not None:
             v = self._token_shift(self.v_shift_proj, raw_v, "values", hidden_states, cache_layer, layout)
 
+        backend = self.config.attention_backend
         if self.config.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q, backend=backend), self.k_norm(k, backend=backend)
         if position_embeddings is not None:
             cos, sin = position_embeddings
             q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
-        # Under autocast, fp32 norm scales and RoPE tables promote q and k to fp32; v keeps the compute dtype.
+        # Under autocast, fp32 RoPE tables promote q and k to fp32; v keeps the compute dtype.
         q, k = q.to(v.dtype), k.to(v.dtype)
 
-        attention_kwargs = dict(sm_scale=self.scaling, backend=self.config.attention_backend)
+        attention_kwargs = dict(sm_scale=self.scaling, backend=backend)
         if cache_layer is not None:
             out = self._cached_attention(q, k, v, log_fgate, raw_k, raw_v, cache_layer, layout)
         elif layout.cu_seqlens is not None:
@@ -317,11 +306,12 @@ class FoxAttention(nn.Module):
             out = forgetting_attention(q, k, v, log_fgate, seq_start=layout.seq_start, **attention_kwargs,
                                        **self._pruning_kwargs(q))
 
+        gate_logits = self.ogate_proj(hidden_states) if self.ogate_proj is not None else None
         if self.output_norm is not None:
-            out = self.output_norm(out)
+            out = self.output_norm(out, gate_logits, backend=backend)  # the output gate fused into the norm
+        elif gate_logits is not None:
+            out = out * torch.sigmoid(gate_logits.view_as(out))
         out = out.reshape(B, T, self.num_heads * self.head_dim)
-        if self.ogate_proj is not None:
-            out = out * torch.sigmoid(self.ogate_proj(hidden_states))
         if self.training and self.attention_dropout:
             out = F.dropout(out, p=self.attention_dropout)
         return self.o_proj(out), None

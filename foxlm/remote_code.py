@@ -15,6 +15,7 @@ REMOTE_CODE_MODULES = (
     "configuration_fox.py",
     "modeling_fox.py",
     "kernels/interface.py",
+    "kernels/layer_ops.py",
     "kernels/acp.py",
     "kernels/reference.py",
     "kernels/triton_attention.py",
