@@ -29,20 +29,23 @@ def gate_mix(B, T, H):
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-def test_fast_gates_prune_most_work_and_stay_within_the_bound_fp32(varlen):
+def test_fast_gates_prune_most_work_and_stay_within_the_bound(varlen):
     torch.manual_seed(0)
     T, Hq, Hkv, D = 4096, 10, 2, 64
-    q, k = (torch.randn(1, T, h, D, device="cuda") * 0.5 for h in (Hq, Hkv))
-    v = torch.randn(1, T, Hkv, D, device="cuda")
+    q, k = (torch.randn(1, T, h, D, device="cuda", dtype=torch.bfloat16) * 0.5 for h in (Hq, Hkv))
+    v = torch.randn(1, T, Hkv, D, device="cuda", dtype=torch.bfloat16)
     log_fgate = gate_mix(1, T, Hq)
     kwargs = {"cu_seqlens": torch.tensor([0, 1000, 3100, T], device="cuda", dtype=torch.int32)} if varlen else {}
     out, grads = run(q, k, v, log_fgate, **kwargs)
     with acp_statistics() as stats:
         out_p, grads_p = run(q, k, v, log_fgate, prune_eps=EPS, **kwargs)
     assert stats.pruned_fraction > 0.4
-    assert (out_p - out).abs().max() <= 2 * EPS * v.abs().max() + 1e-5
+    # Kept tiles are computed as without pruning, so beyond ACP's bound only a bf16 rounding step can differ.
+    rounding = 2**-8 * out.float().abs().max()
+    assert (out_p.float() - out.float()).abs().max() <= 2 * EPS * v.float().abs().max() + rounding
     for g, g_p in zip(grads, grads_p):
-        assert ((g_p - g).norm() / g.norm()).item() < 1e-4
+        assert torch.isfinite(g_p).all()
+        assert ((g_p.float() - g.float()).norm() / g.float().norm()).item() < 1e-3
 
 
 def test_open_gates_prune_nothing_and_are_bit_identical_in_bf16():
