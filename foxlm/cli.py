@@ -71,8 +71,8 @@ def run_convert_llama(args):
         )
     except ConversionError as error:
         sys.exit(f"error: {error}")
-    print(f"saved a FoX model to {output_dir} (see its README.md); next: fine-tune it, "
-          "e.g. examples/finetune_long_context.py")
+    print(f"saved a FoX model to {output_dir} (see its README.md); next: fine-tune it on long documents "
+          f"(`foxlm finetune --model {args.source}` converts and fine-tunes in one go)")
 
 
 def run_convert_official(args):
@@ -113,7 +113,7 @@ def add_convert_commands(commands):
                     "Every weight is kept; each attention head gets a forget gate (a small new projection), and RoPE\n"
                     "is dropped (FoX needs no position embedding; --keep-rope keeps it). The converted model starts\n"
                     "worse than the original, since its attention was trained with RoPE: fine-tune it on long\n"
-                    "documents next (examples/finetune_long_context.py).\n\n"
+                    "documents next (`foxlm finetune --model SRC` converts and fine-tunes in one go).\n\n"
                     "Supported: LlamaForCausalLM (Llama 2/3, SmolLM2), MistralForCausalLM (sliding window dropped),\n"
                     "Qwen2ForCausalLM (q/k/v biases). OUT gets the model (safetensors), its config, tokenizer,\n"
                     "generation config and a README.md model card.\n\n"
@@ -151,22 +151,30 @@ def add_convert_commands(commands):
     official.set_defaults(func=run_convert_official)
 
 
-def documents_for_eval(args, tokenizer):
-    """Held-out token id lists: `--data stdlib` (held-out standard library files), a glob, or a datasets name."""
-    from foxlm.data import split_files, stdlib_source_files, text_files, tokenize_documents
+def documents_for_eval(args, tokenizer, length):
+    """Evaluation token id lists: `--data stdlib` (held-out standard library files, packed into `length`-token
+    documents), a glob of text files or a `datasets` name (one document each, longest first; `--pack` packs them)."""
+    from foxlm.data import evenly_spaced, held_out_stdlib_documents, pack_into_blocks, read_texts, text_files
+    from foxlm.data import tokenize_documents
 
     if args.data == "stdlib":
-        paths = split_files(stdlib_source_files())[1]
-    elif any(ch in args.data for ch in "*?[") or Path(args.data).exists():
-        paths = text_files(args.data)
+        return held_out_stdlib_documents(tokenizer, length, args.num_docs)
+    if any(ch in args.data for ch in "*?[") or Path(args.data).exists():
+        texts = read_texts(text_files(args.data))
     else:
         from datasets import load_dataset
 
-        texts = load_dataset(args.data, split=args.split)[args.text_column][: args.num_docs]
-        return tokenize_documents(tokenizer, texts, add_eos=False)
-    paths = sorted(paths, key=lambda p: -p.stat().st_size)[: args.num_docs]  # the longest reach furthest
-    # No EOS: predicting a document's end is not what the curve measures, and it spikes the tail.
-    return tokenize_documents(tokenizer, [p.read_text(errors="replace") for p in paths], add_eos=False)
+        texts = load_dataset(args.data, split=args.split)[args.text_column]
+    # No BOS: EOS alone separates packed documents. No EOS on unpacked ones: predicting a document's end is not what
+    # the curve measures, and it spikes the tail.
+    if args.pack:
+        documents = tokenize_documents(tokenizer, texts, add_bos=False)
+        try:
+            return evenly_spaced(pack_into_blocks(documents, length).tolist(), args.num_docs)
+        except ValueError as error:
+            sys.exit(f"error: --data {args.data}: {error}; lower the length or add documents.")
+    texts = sorted(texts, key=len, reverse=True)[: args.num_docs]  # the longest reach furthest
+    return tokenize_documents(tokenizer, texts, add_bos=False, add_eos=False)
 
 
 def eval_output_paths(args, *names):
@@ -192,15 +200,16 @@ def run_per_token_loss(args):
         sys.exit(f"error: --labels names {len(labels)} models, but {len(args.models)} MODELs were given.")
     json_path, png_path = eval_output_paths(args, "per_token_loss.json", "per_token_loss.png")
     name_or_path, kwargs = resolve_source(args.tokenizer or args.models[0])
-    documents = documents_for_eval(args, AutoTokenizer.from_pretrained(name_or_path, **kwargs))
+    documents = documents_for_eval(args, AutoTokenizer.from_pretrained(name_or_path, **kwargs), args.max_length)
     on_gpu = torch.cuda.is_available()
     curves, count = compare_per_token_loss(dict(zip(labels, args.models)), documents, args.max_length,
                                            dtype=torch.bfloat16 if on_gpu else torch.float32,
                                            device="cuda" if on_gpu else "cpu")
+    min_documents = min(args.min_documents, len(documents))
     bands = write_per_token_loss_report(curves, count, json_path, png_path, train_context=args.train_context,
-                                        min_documents=args.min_documents, documents=len(documents), data=args.data)
+                                        min_documents=min_documents, documents=len(documents), data=args.data)
     print(f"mean loss by position band over {len(documents)} documents (positions reached by at least "
-          f"{args.min_documents}):\n{format_bands(bands)}\nwrote {json_path} and {png_path}")
+          f"{min_documents}):\n{format_bands(bands)}\nwrote {json_path} and {png_path}")
 
 
 def run_needle(args):
@@ -211,7 +220,7 @@ def run_needle(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_causal_lm(args.model, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
                                       device=device)
-    haystack = [t for doc in documents_for_eval(args, tokenizer) for t in doc]
+    haystack = [t for doc in documents_for_eval(args, tokenizer, max(args.context_lengths)) for t in doc]
     scores = needle_in_a_haystack(model, tokenizer, haystack, args.context_lengths, args.depths)
     write_json({"model": str(args.model), "context_lengths": args.context_lengths, "depths": args.depths,
                 "scores": scores.tolist(), "accuracy": float(scores.mean())}, json_path)
@@ -233,11 +242,16 @@ def add_eval_commands(commands):
 
     def add_data_args(parser, num_docs):
         parser.add_argument("--data", default="stdlib",
-                            help="'stdlib' (held-out Python standard library files, the default), a glob of text "
-                                 "files, or a `datasets` name")
+                            help="'stdlib' (the default: the Python standard library files that fine-tuning holds "
+                                 "out, packed into long documents), a glob of text files, or a `datasets` name")
         parser.add_argument("--split", default="validation", help="split of a `datasets` --data")
         parser.add_argument("--text-column", default="text", help="text column of a `datasets` --data")
-        parser.add_argument("--num-docs", type=int, default=num_docs, help="documents to use (longest first)")
+        parser.add_argument("--pack", action="store_true",
+                            help="pack a glob or `datasets` --data (EOS between documents) into documents of the "
+                                 "full length, as 'stdlib' is; without it each file or record is one document")
+        parser.add_argument("--num-docs", type=int, default=num_docs,
+                            help="documents to use: the longest, or spread over the corpus when packed "
+                                 "(default: %(default)s)")
         parser.add_argument("--output-dir", default="foxlm-eval", help="where the JSON and PNG go")
         parser.add_argument("--force", action="store_true", help="overwrite results already in --output-dir")
 
@@ -281,9 +295,31 @@ def add_eval_commands(commands):
     needle.set_defaults(func=run_needle)
 
 
+FINETUNE_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "finetune_long_context.py"
+
+
+def run_finetune(script_args):
+    """`foxlm finetune ARGS` runs examples/finetune_long_context.py with ARGS: one readable script, two ways in."""
+    if not FINETUNE_SCRIPT.exists():
+        sys.exit(f"error: foxlm finetune runs {FINETUNE_SCRIPT.relative_to(FINETUNE_SCRIPT.parents[1])} from a source "
+                 "checkout, and this installation has none: clone the foxlm repository and pip install -e "
+                 "'.[smollm2]' in it.")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune_long_context", FINETUNE_SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(script_args, prog="foxlm finetune")
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="foxlm", description="Forgetting Transformer (FoX) tools.")
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser(
+        "finetune", add_help=False,
+        help="the main job: convert SmolLM2 to FoX, fine-tune it for long context, plot per-token loss "
+             "(`foxlm finetune --help` lists its options)",
+    )
     demo = commands.add_parser(
         "demo", help="train a tiny byte-level FoX on Python's own sources, save, reload and generate",
         description="A one-minute tour on the CPU: builds a FoX (Pro) model, trains it on the Python standard "
@@ -307,8 +343,15 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    args.func(args)
+    parser = build_parser()
+    # finetune's options belong to examples/finetune_long_context.py, which parses them itself.
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "finetune":
+        run_finetune(extra)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    else:
+        args.func(args)
 
 
 if __name__ == "__main__":

@@ -27,21 +27,32 @@ def load_causal_lm(source, dtype=None, device=None, with_tokenizer=True):
 
 
 @torch.no_grad()
-def per_token_loss(model, documents, max_length, device=None, desc="per-token loss"):
+def per_token_loss(model, documents, max_length, device=None, chunk_size=4096, desc="per-token loss"):
     """L(i): the mean next-token loss at each position i over the documents (each truncated to `max_length`).
 
     Returns (loss, count): float64 arrays of length max_length - 1; position i holds the loss of predicting token
     i + 1 from tokens 0..i, averaged over the `count[i]` documents long enough to have it.
+
+    The logits go through the output layer `chunk_size` positions at a time, from the base model's last hidden
+    state: a whole 32k-token document's fp32 logits would take 6 GB with a 49k vocabulary. This is how LLaMA-family
+    and FoX heads compute logits; models that scale or cap logits after the output layer are refused.
     """
+    if getattr(model.config, "final_logit_softcapping", None) or getattr(model.config, "logit_scale", None):
+        raise ValueError(f"{type(model).__name__} transforms its logits after the output layer; per_token_loss "
+                         "supports models whose logits are output_layer(last hidden state)")
     device = device or next(model.parameters()).device
+    head = model.get_output_embeddings()
     total = np.zeros(max_length - 1)
     count = np.zeros(max_length - 1)
     for doc in tqdm(documents, desc=desc):
         ids = torch.tensor(doc[:max_length], device=device)[None]
         if ids.shape[1] < 2:
             continue
-        logits = model(ids, use_cache=False).logits[0, :-1].float()
-        losses = F.cross_entropy(logits, ids[0, 1:], reduction="none").double().cpu().numpy()
+        hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+        targets = ids[0, 1:]
+        losses = torch.cat([F.cross_entropy(head(h).float(), t, reduction="none")
+                            for h, t in zip(hidden.split(chunk_size), targets.split(chunk_size))])
+        losses = losses.double().cpu().numpy()
         total[: len(losses)] += losses
         count[: len(losses)] += 1
     with np.errstate(invalid="ignore"):
@@ -89,12 +100,13 @@ def plot_per_token_loss(curves, path, train_context=None, original_context=None,
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    longest = max(len(curve) for curve in curves.values())
     for name, curve in curves.items():
         positions = np.arange(1, len(curve) + 1)
         ax.plot(positions, smooth(curve, window), label=name, linewidth=1.5)
     for context, label, style in ((original_context, "original model's context", ":"),
                                   (train_context, "fine-tuning context", "--")):
-        if context:
+        if context and context <= longest:  # a line past the curves would stretch the axis
             ax.axvline(context, color="grey", linestyle=style, linewidth=1, label=f"{label} ({context})")
     ax.set_xscale("log")
     ax.set_xlabel("token position i")
@@ -116,6 +128,8 @@ def compare_per_token_loss(sources, documents, max_length, dtype=None, device=No
         model, _ = load_causal_lm(source, dtype=dtype, device=device, with_tokenizer=False)
         curves[label], count = per_token_loss(model, documents, max_length, desc=label)
         del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return curves, count
 
 

@@ -1,7 +1,12 @@
-"""Fine-tuning helpers: the recommended LoRA setup for FoX models and optimizer parameter groups."""
+"""Fine-tuning helpers: the recommended LoRA setup for FoX models, optimizer parameter groups, and a step and
+wall-clock budget for `Trainer` runs."""
+
+import math
+import time
 
 from peft import LoraConfig
 from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+from transformers import TrainerCallback
 
 # LLaMA's projections: LoRA adapts these. Registered for model_type "fox", so that
 # `get_peft_model(model, LoraConfig(...))` without `target_modules` picks the same projections.
@@ -41,3 +46,46 @@ def optimizer_param_groups(model, weight_decay=0.1):
         else:
             decay.append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class TrainingBudget(TrainerCallback):
+    """Ends a `Trainer` run after `max_steps` optimizer steps or `max_minutes` of wall-clock time, whichever comes
+    first, and drives its learning rate: linear warmup over `warmup_steps`, then a cosine decay over that same
+    budget, so the rate reaches zero when training stops, however fast the machine is.
+
+        budget = TrainingBudget(max_steps=300, max_minutes=7, warmup_steps=20)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, budget.lr_factor)
+        Trainer(..., args=TrainingArguments(max_steps=300, ...), optimizers=(optimizer, scheduler),
+                callbacks=[budget])
+
+    The clock starts when training does (a resumed run gets `max_minutes` again; its steps carry on).
+    """
+
+    def __init__(self, max_steps, max_minutes=None, warmup_steps=0):
+        if max_steps < 1 or (max_minutes is not None and max_minutes <= 0):
+            raise ValueError(f"need max_steps >= 1 and max_minutes > 0, got {max_steps} and {max_minutes}")
+        self.max_steps, self.max_minutes, self.warmup_steps = max_steps, max_minutes, warmup_steps
+        self.start = None
+        self.stopped_by_time = False
+
+    def minutes(self):
+        return 0.0 if self.start is None else (time.monotonic() - self.start) / 60
+
+    def progress(self, step):
+        """Fraction of the budget used after `step` steps: of the steps or of the minutes, whichever is further."""
+        fraction = step / self.max_steps
+        if self.max_minutes:
+            fraction = max(fraction, self.minutes() / self.max_minutes)
+        return min(fraction, 1.0)
+
+    def lr_factor(self, step):
+        warmup = min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else 1.0
+        return warmup * 0.5 * (1 + math.cos(math.pi * self.progress(step)))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.max_minutes and self.minutes() >= self.max_minutes and state.global_step < self.max_steps:
+            self.stopped_by_time = True
+            control.should_training_stop = True

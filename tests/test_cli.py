@@ -59,7 +59,7 @@ def test_eval_per_token_loss_compares_models_and_matches_the_library_function(sa
     # first MODEL's tokenizer.
     model, tokenizer = load_causal_lm(saved_models / "fox")
     docs = tokenize_documents(tokenizer, [(saved_models / "docs" / f"doc{i}.txt").read_text() for i in (2, 1, 0)],
-                              add_eos=False)
+                              add_bos=False, add_eos=False)
     expected, count = per_token_loss(model, docs, 200)
     np.testing.assert_allclose(result["per_token_loss"]["fox"], expected, rtol=1e-5)
     assert result["documents_per_position"] == count.tolist()
@@ -81,3 +81,34 @@ def test_eval_needle_writes_a_score_grid_and_heatmap(saved_models):
     result = json.loads((out / "needle.json").read_text())
     assert np.array(result["scores"]).shape == (2, 2) and 0.0 <= result["accuracy"] <= 1.0
     assert (out / "needle.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_per_token_loss_packs_documents_to_the_full_length(saved_models):
+    out = saved_models / "packed"
+    main(["eval", "per-token-loss", str(saved_models / "fox"), "--data", str(saved_models / "docs" / "*.txt"),
+          "--pack", "--max-length", "128", "--num-docs", "4", "--output-dir", str(out)])
+    result = json.loads((out / "per_token_loss.json").read_text())
+    assert result["documents"] == 4 and result["documents_per_position"] == [4] * 127
+
+
+def test_eval_per_token_loss_defaults_to_held_out_stdlib_documents(saved_models):
+    out = saved_models / "stdlib"
+    main(["eval", "per-token-loss", str(saved_models / "fox"), "--labels", "fox", "--max-length", "256",
+          "--num-docs", "2", "--output-dir", str(out)])
+    result = json.loads((out / "per_token_loss.json").read_text())
+    assert result["data"] == "stdlib" and result["documents_per_position"] == [2] * 255
+    assert result["bands"]["fox"]["0-256"] is not None  # two documents are all there is: none left out
+
+
+def test_finetune_help_lists_the_example_script_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["finetune", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: foxlm finetune") and "--max-minutes" in out and "--eval-only" in out
+
+
+def test_other_commands_refuse_unknown_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--no-such-option"])
+    assert "--no-such-option" in capsys.readouterr().err

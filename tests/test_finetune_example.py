@@ -1,37 +1,98 @@
-"""examples/finetune_long_context.py runs end to end: convert, fine-tune with LoRA, save, evaluate, plot."""
+"""examples/finetune_long_context.py (also `foxlm finetune`): convert, fine-tune, save, evaluate, plot."""
 
 import json
-from pathlib import Path
 
+import pytest
 import torch
-from conftest import byte_tokenizer, load_script
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import byte_tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "finetune_long_context.py"
+from foxlm.cli import main as foxlm
+from foxlm.data import split_files, text_files
+
+LABELS = {"original (RoPE)", "converted, before fine-tuning", "converted, fine-tuned"}
 
 
-def load_example():
-    return load_script(EXAMPLE)
-
-
-def test_convert_finetune_evaluate_on_a_tiny_llama(tmp_path):
+@pytest.fixture(scope="module")
+def llama_and_corpus(tmp_path_factory):
+    """A tiny LLaMA (byte-level tokenizer) and a folder of text files, some of them held out by the path hash."""
+    root = tmp_path_factory.mktemp("finetune")
     torch.manual_seed(0)
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, bos_token_id=256,
                                          eos_token_id=257, max_position_embeddings=128))
-    llama.save_pretrained(tmp_path / "llama")
-    byte_tokenizer().save_pretrained(tmp_path / "llama")
-    corpus = tmp_path / "corpus"
+    llama.save_pretrained(root / "llama")
+    byte_tokenizer().save_pretrained(root / "llama")
+    corpus = root / "corpus"
     corpus.mkdir()
     for i in range(12):
         (corpus / f"doc{i}.txt").write_text(f"def function_{i}(x):\n    return x * {i}\n" * 30)
-    run = tmp_path / "run"
-    load_example().main(["--model", str(tmp_path / "llama"), "--output-dir", str(run), "--text-files",
-                         str(corpus / "*.txt"), "--context", "128", "--steps", "3", "--tokens-per-step", "256",
-                         "--lora-r", "4", "--eval-length", "256", "--eval-docs", "2"])
+    train, held_out = split_files(text_files(str(corpus / "*.txt")))
+    assert len(train) >= 6 and len(held_out) >= 2
+    return root
+
+
+def finetune_args(root, run, *extra):
+    return ["--model", str(root / "llama"), "--output-dir", str(root / run), "--text-files",
+            str(root / "corpus" / "*.txt"), "--context", "128", "--steps", "3", "--tokens-per-step", "256",
+            "--lora-r", "4", "--eval-length", "256", "--eval-docs", "3", *extra]
+
+
+def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_and_corpus, capsys):
+    root = llama_and_corpus
+    foxlm(["finetune", *finetune_args(root, "lora", "--gradient-checkpointing")])
+    run = root / "lora"
     for name in ("converted/config.json", "adapter/adapter_model.safetensors", "fine-tuned/model.safetensors",
-                 "per_token_loss.png", "per_token_loss.json"):
+                 "fine-tuned/tokenizer.json", "train_log.json", "per_token_loss.png", "per_token_loss.json"):
         assert (run / name).exists(), name
     result = json.loads((run / "per_token_loss.json").read_text())
-    assert set(result["bands"]) == {"original (RoPE)", "converted, before fine-tuning", "converted, fine-tuned"}
+    assert set(result["bands"]) == LABELS and result["documents"] == 3
+    assert list(result["bands"]["converted, fine-tuned"]) == ["0-128", "128-256"]  # original and training context
     assert all(len(curve) == 255 for curve in result["per_token_loss"].values())
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == f"plot: {run / 'per_token_loss.png'}" and out[-2].startswith("fine-tuned vs original")
+    assert any(line.startswith("converted, fine-tuned ") for line in out[-6:])
+
+
+def test_full_finetuning_and_evaluation_run_as_two_invocations_within_a_time_budget(llama_and_corpus, capsys):
+    root = llama_and_corpus
+    run = root / "full"
+    foxlm(["finetune", *finetune_args(root, "full", "--full", "--steps", "50", "--max-minutes", "1e-6",
+                                      "--skip-eval")])
+    assert "budget ended training after 1 steps" in capsys.readouterr().out
+    assert not (run / "per_token_loss.json").exists() and not (run / "adapter").exists()
+    # The fine-tuned folder is a complete model: it loads with the Auto classes and generates.
+    model = AutoModelForCausalLM.from_pretrained(run / "fine-tuned")
+    tokenizer = AutoTokenizer.from_pretrained(run / "fine-tuned")
+    prompt = tokenizer("def ", return_tensors="pt")
+    assert model.generate(**prompt, max_new_tokens=4, do_sample=False).shape[1] == prompt["input_ids"].shape[1] + 4
+
+    foxlm(["finetune", *finetune_args(root, "full", "--eval-only", "--skip-original")])
+    result = json.loads((run / "per_token_loss.json").read_text())
+    assert set(result["bands"]) == LABELS - {"original (RoPE)"}
+
+
+def test_resume_continues_from_the_last_checkpoint(llama_and_corpus):
+    root = llama_and_corpus
+    run = root / "resume"
+    foxlm(["finetune", *finetune_args(root, "resume", "--steps", "2", "--save-steps", "1", "--skip-eval")])
+    state_path = run / "checkpoints" / "checkpoint-2" / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    state["log_history"][0]["mark"] = "from checkpoint-2"
+    state_path.write_text(json.dumps(state))
+    foxlm(["finetune", *finetune_args(root, "resume", "--steps", "3", "--save-steps", "1", "--skip-eval",
+                                      "--resume")])
+    history = json.loads((run / "train_log.json").read_text())
+    assert history[0]["mark"] == "from checkpoint-2"  # the run went on from the checkpoint's state
+    assert [entry["step"] for entry in history if "loss" in entry] == [1, 2, 3]
+
+
+def test_bad_arguments_are_named_before_any_training(llama_and_corpus):
+    root = llama_and_corpus
+    with pytest.raises(SystemExit, match="--eval-only"):
+        foxlm(["finetune", *finetune_args(root, "empty", "--eval-only")])
+    with pytest.raises(SystemExit, match="--resume"):
+        foxlm(["finetune", *finetune_args(root, "no-checkpoint", "--resume")])
+    with pytest.raises(SystemExit, match="--eval-length 100000"):
+        foxlm(["finetune", *finetune_args(root, "too-long", "--eval-length", "100000")])
+    assert not (root / "too-long" / "checkpoints").exists()
