@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from .interface import runs_on_triton
+
 try:
     from .triton_decode import MAX_DECODE_QUERIES, triton_forgetting_decode
 except ImportError:  # no Triton (CPU-only torch builds, remote code on such machines)
@@ -85,14 +87,9 @@ def forgetting_decode(q, k, v, fgate_cumsum, *, sm_scale=None, seq_start=None, a
     Returns:
         (batch, q_len, query_heads, head_dim) in the dtype of `q`.
     """
-    if backend not in ("auto", "triton", "reference"):
-        raise ValueError(f"`backend` must be 'auto', 'triton' or 'reference', got {backend!r}.")
     _check_inputs(q, k, v, fgate_cumsum, seq_start, acp_delta)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and q.dtype != torch.float64)
-    if use_triton and triton_forgetting_decode is None:
-        raise RuntimeError("backend='triton' was requested but Triton is not installed.")
-    if use_triton:
+    if runs_on_triton(backend, q, triton_forgetting_decode is not None, "the Triton decode kernel", max_head_dim=None):
         return triton_forgetting_decode(q, k, v, fgate_cumsum.float(), sm_scale, seq_start, acp_delta)
     return forgetting_decode_reference(q, k, v, fgate_cumsum, sm_scale=sm_scale, seq_start=seq_start,
                                        acp_delta=acp_delta)

@@ -27,6 +27,25 @@ MAX_TRITON_HEAD_DIM = 256
 _warned_reference_on_gpu = False
 
 
+def runs_on_triton(backend, x, has_triton, what="the Triton kernel", max_head_dim=MAX_TRITON_HEAD_DIM):
+    """Whether `backend` ("auto", "triton", "reference") runs `x` (..., head_dim) on Triton: "auto" does for CUDA
+    tensors of fp16/bf16/fp32 with head_dim <= `max_head_dim` (None: any) when Triton imports (`has_triton`). A forced
+    "triton" that cannot run raises; float64 has no tensor-core path and larger head dims no kernel configuration."""
+    if backend not in BACKENDS:
+        raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}.")
+    fits = x.dtype in (torch.float16, torch.bfloat16, torch.float32) and (
+        max_head_dim is None or x.shape[-1] <= max_head_dim)
+    if backend == "triton":
+        if not has_triton:
+            raise RuntimeError("backend='triton' was requested but Triton is not installed.")
+        if not fits:
+            limit = "" if max_head_dim is None else f" and head_dim <= {max_head_dim}"
+            raise ValueError(f"{what} takes float16/bfloat16/float32{limit}, got {x.dtype} and head_dim "
+                             f"{x.shape[-1]}; use backend='reference'.")
+        return True
+    return backend == "auto" and x.is_cuda and has_triton and fits
+
+
 def _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -130,15 +149,8 @@ def forgetting_attention(
         raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}.")
     _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start)
     has_triton = triton_attention_forward is not None
-    # float64 has no tensor-core path and head dims past 256 no kernel configuration: the reference computes them.
-    kernel_fits = q.dtype != torch.float64 and q.shape[-1] <= MAX_TRITON_HEAD_DIM
-    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and has_triton and kernel_fits)
-    if use_triton and not has_triton:
-        raise RuntimeError("backend='triton' was requested but Triton is not installed.")
-    if use_triton and not kernel_fits:
-        raise ValueError(f"the Triton kernel takes float16/bfloat16/float32 and head_dim <= {MAX_TRITON_HEAD_DIM}, "
-                         f"got {q.dtype} and head_dim {q.shape[-1]}; use backend='reference'.")
-    if q.is_cuda and not use_triton:
+    on_triton = runs_on_triton(backend, q, has_triton)
+    if q.is_cuda and not on_triton:
         global _warned_reference_on_gpu
         if not _warned_reference_on_gpu:
             _warned_reference_on_gpu = True
@@ -147,7 +159,7 @@ def forgetting_attention(
     if prune_eps is not None and not 0 < prune_eps < 1:
         raise ValueError(f"`prune_eps` must be in (0, 1) or None, got {prune_eps}.")
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    prune = use_triton and prune_eps is not None
+    prune = on_triton and prune_eps is not None
     if prune:
         if score_bound is None:
             score_bound = measured_score_bound(q.detach(), k.detach(), sm_scale)
@@ -157,7 +169,7 @@ def forgetting_attention(
     gate_is_cumsum = log_fgate is None
     out, _, pruned_counts = torch.ops.foxlm.forgetting_attention(
         q, k, v, fgate_cumsum if gate_is_cumsum else log_fgate, gate_is_cumsum, sm_scale,
-        cu_seqlens, None if max_seqlen is None else int(max_seqlen), seq_start, use_triton,
+        cu_seqlens, None if max_seqlen is None else int(max_seqlen), seq_start, on_triton,
         float(prune_eps) if prune else None, score_bound if prune else None, prune and recording_pruned_counts(),
     )
     if pruned_counts.numel():

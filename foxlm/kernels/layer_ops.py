@@ -22,14 +22,14 @@ from typing import Optional
 
 import torch
 
+from .interface import runs_on_triton
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # no Triton (CPU-only torch builds, remote code on such machines): the references run
     triton = None
 
-BACKENDS = ("auto", "triton", "reference")
-MAX_TRITON_HEAD_DIM = 256
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -55,7 +55,7 @@ def head_rms_norm(x, weight, eps, gate_logits=None, *, backend="auto"):
             raise ValueError(f"`gate_logits` must have shape {tuple(x.shape[:-2]) + (H * D,)} or {tuple(x.shape)}, "
                              f"got {tuple(gate_logits.shape)}.")
         gate_logits = gate_logits.reshape(x.shape)
-    if not _use_triton(backend, x):
+    if not runs_on_triton(backend, x, triton is not None, "the Triton layer ops"):
         return head_rms_norm_reference(x, weight, eps, gate_logits)
     return torch.ops.foxlm.head_rms_norm(x, weight, gate_logits, float(eps))[0]
 
@@ -91,7 +91,7 @@ def token_shift(raw, shift_logits, previous, doc_start=None, *, backend="auto"):
     if doc_start is not None and (doc_start.shape != (B, T) or doc_start.dtype != torch.bool):
         raise ValueError(f"`doc_start` must be a bool tensor of shape {(B, T)}, got {doc_start.dtype} "
                          f"{tuple(doc_start.shape)}.")
-    if not _use_triton(backend, raw):
+    if not runs_on_triton(backend, raw, triton is not None, "the Triton layer ops"):
         return token_shift_reference(raw, shift_logits, previous, doc_start)
     return torch.ops.foxlm.token_shift(raw, shift_logits, previous, doc_start)
 
@@ -104,22 +104,6 @@ def token_shift_reference(raw, shift_logits, previous, doc_start=None):
     if doc_start is not None:
         shifted = shifted.masked_fill(doc_start[:, :, None, None], 0.0)
     return (alpha * shifted.to(compute) + (1 - alpha) * raw.to(compute)).to(raw.dtype)
-
-
-def _use_triton(backend, x):
-    if backend not in BACKENDS:
-        raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}.")
-    # float64 gets no fp32 shortcut, and head dims past 256 no register-sized tile: the reference computes them.
-    fits = x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.shape[-1] <= MAX_TRITON_HEAD_DIM
-    if backend == "triton":
-        if triton is None:
-            raise RuntimeError("backend='triton' was requested but Triton is not installed.")
-        if not fits:
-            raise ValueError(f"the Triton layer ops take float16/bfloat16/float32 and head_dim <= "
-                             f"{MAX_TRITON_HEAD_DIM}, got {x.dtype} and head_dim {x.shape[-1]}; use "
-                             f"backend='reference'.")
-        return True
-    return backend == "auto" and x.is_cuda and triton is not None and fits
 
 
 # --------------------------------------------------------------------------------------------------------------
