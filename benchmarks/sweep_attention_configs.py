@@ -1,0 +1,93 @@
+"""Time every candidate launch configuration of the attention kernels on this GPU, to choose their autotune lists.
+
+For D = 64 and 128 at T = 16k (B*T = 16k tokens, hidden 2048, bf16), the autotune lists of the forward, dQ and
+dK/dV kernels are replaced by the candidates below (the current lists first, then configurations that
+`kernel_resources.py` found to spill less), one forward+backward autotunes them all, and each kernel's time per
+configuration is printed and written to benchmarks/results/config_sweep_<device>_<date>.json, beside the tuned
+forward+backward time and SDPA-cuDNN's; the winners are first checked against float64 at T = 2k. The winners then belong first in the lists of
+foxlm/kernels/triton_attention.py (FOXLM_AUTOTUNE=0 takes the first alone).
+
+    python benchmarks/sweep_attention_configs.py [--out DIR]
+"""
+
+import argparse
+import datetime
+import json
+import os
+
+os.environ["FOXLM_AUTOTUNE"] = "1"  # before the kernels are imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from torch.nn.attention import SDPBackend  # noqa: E402
+
+from bench_attention import accuracy, bench, causal_flops, make, sdpa  # noqa: E402
+from foxlm.kernels import forgetting_attention  # noqa: E402
+from foxlm.kernels import triton_attention as ta  # noqa: E402
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); per kernel and head dim, the current list first.
+CANDIDATES = {
+    "fwd": (ta._fwd, ta._FWD_CONFIGS, {64: [(128, 64, 8, 3), (128, 32, 4, 3)], 128: [(128, 128, 8, 3), (64, 64, 4, 3)]}),
+    "dq": (ta._bwd_q, ta._BWD_Q_CONFIGS, {64: [(64, 32, 4, 3), (64, 128, 8, 2), (128, 64, 4, 3)],
+                                          128: [(64, 32, 4, 2), (128, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2)]}),
+    "dkdv": (ta._bwd_kv, ta._BWD_KV_CONFIGS, {
+        64: [(32, 64, 4, 2), (64, 128, 8, 1), (32, 128, 8, 2), (32, 32, 4, 3), (16, 64, 4, 3), (64, 64, 8, 2)],
+        128: [(64, 64, 8, 1), (32, 128, 8, 1), (64, 32, 4, 1), (64, 128, 8, 1), (64, 64, 8, 2), (32, 64, 4, 2)]}),
+}
+
+
+def config_times(tuner):
+    """{"MxN wW sS": ms} of the configurations the autotuner timed (Triton keeps them in `configs_timings`)."""
+    times = getattr(tuner, "configs_timings", None) or {}
+    return {f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}":
+            (t[0] if isinstance(t, (list, tuple)) else t) for c, t in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    for _, table, extra in CANDIDATES.values():
+        for head_dim, entries in extra.items():
+            table[head_dim].extend(ta._configs(entries))
+    rows = []
+    for D in (64, 128):
+        T, H = 16384, 2048 // D
+        q, k, v = (torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        do = torch.randn_like(q)
+        log_fgate = F.logsigmoid(torch.randn(1, T, H, device="cuda") + 3.0).requires_grad_()
+
+        def ours():
+            out = forgetting_attention(q, k, v, log_fgate, backend="triton")
+            torch.autograd.grad(out, (q, k, v, log_fgate), do)
+
+        def cudnn():
+            out = sdpa(SDPBackend.CUDNN_ATTENTION)(q, k, v, None)
+            torch.autograd.grad(out, (q, k, v), do)
+
+        ours()  # autotunes every kernel over its candidates
+        row = {"D": D, "T": T, "kernels_ms": {name: config_times(tuner) for name, (tuner, _, _) in CANDIDATES.items()}}
+        # The winners (autotune keys do not include T) against float64 on fresh inputs, before any timing.
+        row["max_rel_err_vs_float64"] = accuracy(*make(1, 2048, H, H, D), {})
+        assert row["max_rel_err_vs_float64"] < 2e-2, row["max_rel_err_vs_float64"]
+        row["ours_fwd_bwd_ms"], row["cudnn_fwd_bwd_ms"] = bench(ours), bench(cudnn)
+        row["ours_tflops"] = 3.5 * causal_flops(1, H, T, D) / row["ours_fwd_bwd_ms"] / 1e9
+        rows.append(row)
+        for name, times in row["kernels_ms"].items():
+            ranked = sorted(times.items(), key=lambda item: item[1])
+            print(f"D{D} {name}: " + ", ".join(f"{cfg} {ms:.3f}" for cfg, ms in ranked), flush=True)
+        print(f"D{D}: fwd+bwd {row['ours_fwd_bwd_ms']:.2f} ms ({row['ours_tflops']:.0f} TF/s), cuDNN "
+              f"{row['cudnn_fwd_bwd_ms']:.2f} ms: {row['cudnn_fwd_bwd_ms'] / row['ours_fwd_bwd_ms']:.2f}x", flush=True)
+    device = torch.cuda.get_device_name()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"config_sweep_{device.replace(' ', '_')}_{stamp}.json")
+    with open(path, "w") as f:
+        json.dump({"device": device, "torch": torch.__version__, "triton": triton.__version__, "rows": rows}, f,
+                  indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
