@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .interface import runs_on_triton
+from .interface import on_device_of, runs_on_triton
 
 try:
     from .triton_decode import MAX_DECODE_QUERIES, triton_forgetting_decode
@@ -90,6 +90,7 @@ def forgetting_decode(q, k, v, fgate_cumsum, *, sm_scale=None, seq_start=None, a
     _check_inputs(q, k, v, fgate_cumsum, seq_start, acp_delta)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if runs_on_triton(backend, q, triton_forgetting_decode is not None, "the Triton decode kernel", max_head_dim=None):
-        return triton_forgetting_decode(q, k, v, fgate_cumsum.float(), sm_scale, seq_start, acp_delta)
+        with on_device_of(q):
+            return triton_forgetting_decode(q, k, v, fgate_cumsum.float(), sm_scale, seq_start, acp_delta)
     return forgetting_decode_reference(q, k, v, fgate_cumsum, sm_scale=sm_scale, seq_start=seq_start,
                                        acp_delta=acp_delta)

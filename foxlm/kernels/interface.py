@@ -6,6 +6,7 @@ reference otherwise (or when asked for with `backend="reference"`). Both run ins
 `torch.compile(fullgraph=True)` sees a single op and no graph break; its backward is a second custom op.
 """
 
+import contextlib
 import logging
 import math
 from typing import Optional
@@ -44,6 +45,12 @@ def runs_on_triton(backend, x, has_triton, what="the Triton kernel", max_head_di
                              f"{x.shape[-1]}; use backend='reference'.")
         return True
     return backend == "auto" and x.is_cuda and has_triton and fits
+
+
+def on_device_of(x):
+    """Makes x's GPU the current device for a kernel launch: Triton launches on the current device, which is not
+    x's when a model is spread over several GPUs (`device_map="auto"`)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 def _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start):
@@ -264,8 +271,9 @@ def _forgetting_attention_op(
     counts = q.new_empty(_counts_shape(q, count_pruned), dtype=torch.int32)
     if use_triton:
         c = _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
-        out, lse = triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens, max_seqlen, seq_start, prune_eps,
-                                            score_bound, counts if count_pruned else None)
+        with on_device_of(q):
+            out, lse = triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens, max_seqlen, seq_start, prune_eps,
+                                                score_bound, counts if count_pruned else None)
         return out, lse, counts
     gates = dict(fgate_cumsum=gate) if gate_is_cumsum else dict(log_fgate=gate)
     out = forgetting_attention_reference(q, k, v, **gates, sm_scale=sm_scale, cu_seqlens=cu_seqlens,
@@ -293,8 +301,9 @@ def _forgetting_attention_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     c = _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
     if use_triton:
-        dq, dk, dv, dc = triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens, max_seqlen,
-                                                   seq_start, prune_eps, score_bound)
+        with on_device_of(q):
+            dq, dk, dv, dc = triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens, max_seqlen,
+                                                       seq_start, prune_eps, score_bound)
     elif cu_seqlens is None:
         dq, dk, dv, dc = _reference_backward(do, q, k, v, c, sm_scale, seq_start)
     else:

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from .interface import runs_on_triton
+from .interface import on_device_of, runs_on_triton
 
 try:
     import triton
@@ -123,10 +123,11 @@ def _head_rms_norm_op(
     y = torch.empty_like(x)
     rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
     block_t, block_d = _blocks(D)
-    _head_rms_norm_fwd_kernel[(triton.cdiv(n_tokens, block_t), H)](
-        x, weight, x if gate_logits is None else gate_logits, y, rstd, n_tokens, H, eps,
-        HEAD_DIM=D, BLOCK_T=block_t, BLOCK_D=block_d, HAS_GATE=gate_logits is not None,
-    )
+    with on_device_of(x):
+        _head_rms_norm_fwd_kernel[(triton.cdiv(n_tokens, block_t), H)](
+            x, weight, x if gate_logits is None else gate_logits, y, rstd, n_tokens, H, eps,
+            HEAD_DIM=D, BLOCK_T=block_t, BLOCK_D=block_d, HAS_GATE=gate_logits is not None,
+        )
     return y, rstd
 
 
@@ -150,10 +151,11 @@ def _head_rms_norm_backward_op(
     dgate = torch.empty_like(gate_logits) if gate_logits is not None else x.new_empty(0)
     # dweight: one fp32 partial sum per program, then a sum over programs (deterministic, no atomics).
     dweight_partial = x.new_empty(grid[0], H, D, dtype=torch.float32)
-    _head_rms_norm_bwd_kernel[grid](
-        dy, x, weight, x if gate_logits is None else gate_logits, rstd, dx, dgate, dweight_partial, n_tokens, H,
-        HEAD_DIM=D, BLOCK_T=block_t, BLOCK_D=block_d, HAS_GATE=gate_logits is not None,
-    )
+    with on_device_of(x):
+        _head_rms_norm_bwd_kernel[grid](
+            dy, x, weight, x if gate_logits is None else gate_logits, rstd, dx, dgate, dweight_partial, n_tokens, H,
+            HEAD_DIM=D, BLOCK_T=block_t, BLOCK_D=block_d, HAS_GATE=gate_logits is not None,
+        )
     return dx, dweight_partial.sum(0).to(weight.dtype).view(weight.shape), dgate
 
 
@@ -185,10 +187,11 @@ def _token_shift_op(
     B, T, H, D = raw.shape
     out = torch.empty_like(raw)
     block_t, block_d = _blocks(D)
-    _token_shift_fwd_kernel[(triton.cdiv(B * T, block_t), H)](
-        raw, shift_logits, previous, _as_bytes(doc_start, raw), out, B * T, T, H,
-        HEAD_DIM=D, BLOCK_T=block_t, BLOCK_D=block_d, HAS_DOC_START=doc_start is not None,
-    )
+    with on_device_of(raw):
+        _token_shift_fwd_kernel[(triton.cdiv(B * T, block_t), H)](
+            raw, shift_logits, previous, _as_bytes(doc_start, raw), out, B * T, T, H,
+            HEAD_DIM=D, BLOCK_T=block_t, BLOCK_D=block_d, HAS_DOC_START=doc_start is not None,
+        )
     return out
 
 
@@ -207,10 +210,11 @@ def _token_shift_backward_op(
     B, T, H, D = raw.shape
     draw, dlogits, dprevious = torch.empty_like(raw), torch.empty_like(shift_logits), torch.empty_like(previous)
     block_t, block_d = _blocks(D)
-    _token_shift_bwd_kernel[(triton.cdiv(B * T, block_t), H)](
-        dout, raw, shift_logits, previous, _as_bytes(doc_start, raw), draw, dlogits, dprevious, B * T, T, H,
-        HEAD_DIM=D, BLOCK_T=block_t, BLOCK_D=block_d, HAS_DOC_START=doc_start is not None,
-    )
+    with on_device_of(raw):
+        _token_shift_bwd_kernel[(triton.cdiv(B * T, block_t), H)](
+            dout, raw, shift_logits, previous, _as_bytes(doc_start, raw), draw, dlogits, dprevious, B * T, T, H,
+            HEAD_DIM=D, BLOCK_T=block_t, BLOCK_D=block_d, HAS_DOC_START=doc_start is not None,
+        )
     return draw, dlogits, dprevious
 
 

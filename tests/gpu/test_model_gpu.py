@@ -82,3 +82,27 @@ def test_generate_and_torch_compile_on_the_gpu():
     loss.backward()
     assert torch.isfinite(loss)
     assert abs(loss.item() - train_model(ids, labels=ids, use_cache=False).loss.item()) < 2e-2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_layers_spread_over_two_gpus_give_what_one_gpu_gives():
+    # device_map-style placement: the kernels must launch on each layer's own GPU, not on the current one (cuda:0).
+    from accelerate import dispatch_model
+
+    model = gpu_model(torch.bfloat16)
+    ids = torch.randint(3, 512, (2, 600), device="cuda:0")
+    want = model(ids, labels=ids, use_cache=False)
+    want.loss.backward()
+    want_grads = {n: p.grad.float().cpu() for n, p in model.named_parameters()}
+    want_tokens = model.generate(ids[:, :100], max_new_tokens=8, do_sample=False)
+    model.zero_grad()
+    device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1, "lm_head": 1}
+    spread = dispatch_model(model, device_map=device_map)
+    torch.cuda.set_device(0)
+    assert spread.model.layers[1].self_attn.q_proj.weight.device == torch.device("cuda", 1)
+    got = spread(ids, labels=ids, use_cache=False)
+    got.loss.backward()
+    assert relative_error(got.logits.to("cuda:0"), want.logits) < 1e-2
+    for name, param in spread.named_parameters():
+        assert relative_error(param.grad.float().cpu(), want_grads[name]) < 1e-2, name
+    assert torch.equal(spread.generate(ids[:, :100], max_new_tokens=8, do_sample=False).cpu(), want_tokens.cpu())
