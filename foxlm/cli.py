@@ -312,6 +312,38 @@ def run_finetune(script_args):
     script.main(script_args, prog="foxlm finetune")
 
 
+BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = {  # `foxlm bench NAME`: script in benchmarks/, what it measures
+    "attention": ("bench_attention.py", "attention kernel vs SDPA cuDNN/flash, ACP rows (GPU)"),
+    "decode": ("bench_decode.py", "decode attention bandwidth and generate() tokens/s vs LLaMA (GPU)"),
+    "training": ("bench_training.py", "training tokens/s and memory vs LlamaForCausalLM (GPU)"),
+    "layer-ops": ("bench_layer_ops.py", "fused QK-norm, output norm+gate and token shift vs PyTorch (GPU)"),
+    "kernel-resources": ("kernel_resources.py", "registers and spills of every kernel config (no GPU needed)"),
+    "sweep-configs": ("sweep_attention_configs.py", "time candidate kernel launch configurations (GPU)"),
+}
+
+
+def run_bench(name, script_args):
+    """`foxlm bench NAME ARGS` runs benchmarks/<script> with ARGS (results go to benchmarks/results/)."""
+    if name is None:
+        listing = "\n".join(f"  {n:<17} {what}" for n, (_, what) in BENCHMARKS.items())
+        message = (f"usage: foxlm bench NAME [options]\n\nRuns a benchmark script of benchmarks/ (`foxlm bench NAME "
+                   f"--help` for its options):\n{listing}")
+        if {"-h", "--help"} & set(script_args):
+            print(message)
+            sys.exit(0)
+        sys.exit(message)
+    script = BENCHMARKS_DIR / BENCHMARKS[name][0]
+    if not script.exists():
+        sys.exit(f"error: foxlm bench runs benchmarks/{script.name} from a source checkout, and this installation "
+                 "has none: clone the foxlm repository and pip install -e . in it.")
+    import runpy
+
+    sys.path.insert(0, str(BENCHMARKS_DIR))  # the scripts import each other
+    sys.argv = [str(script), *script_args]
+    runpy.run_path(str(script), run_name="__main__")
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="foxlm", description="Forgetting Transformer (FoX) tools.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -320,6 +352,11 @@ def build_parser():
         help="the main job: convert SmolLM2 to FoX, fine-tune it for long context, plot per-token loss "
              "(`foxlm finetune --help` lists its options)",
     )
+    bench = commands.add_parser(
+        "bench", add_help=False,
+        help="run a benchmark: " + ", ".join(BENCHMARKS) + " (`foxlm bench --help` says what each measures)",
+    )
+    bench.add_argument("name", nargs="?", choices=list(BENCHMARKS))
     demo = commands.add_parser(
         "demo", help="train a tiny byte-level FoX on Python's own sources, save, reload and generate",
         description="A one-minute tour on the CPU: builds a FoX (Pro) model, trains it on the Python standard "
@@ -344,10 +381,12 @@ def build_parser():
 
 def main(argv=None):
     parser = build_parser()
-    # finetune's options belong to examples/finetune_long_context.py, which parses them itself.
+    # finetune's and bench's options belong to the scripts they run, which parse them themselves.
     args, extra = parser.parse_known_args(argv)
     if args.command == "finetune":
         run_finetune(extra)
+    elif args.command == "bench":
+        run_bench(args.name, extra)
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     else:

@@ -112,3 +112,18 @@ def test_other_commands_refuse_unknown_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--no-such-option"])
     assert "--no-such-option" in capsys.readouterr().err
+
+
+def test_bench_lists_the_benchmarks_and_passes_options_to_their_scripts(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "attention" in out and "kernel-resources" in out and "training" in out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "layer-ops", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: bench_layer_ops.py") and "--tokens" in out
+    with pytest.raises(SystemExit):
+        main(["bench", "no-such-benchmark"])
