@@ -152,8 +152,6 @@ def forgetting_attention(
     Returns:
         (batch, q_len, query_heads, head_dim) in the dtype of `q`.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}.")
     _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start)
     has_triton = triton_attention_forward is not None
     on_triton = runs_on_triton(backend, q, has_triton)
