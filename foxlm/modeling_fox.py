@@ -27,7 +27,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_fox import FoxConfig
 from .kernels.decode import MAX_DECODE_QUERIES, forgetting_decode
-from .kernels.interface import forgetting_attention
+from .kernels.interface import forgetting_attention, packed_sequence_lengths
 from .kernels.layer_ops import head_rms_norm, token_shift
 from .remote_code import AUTO_MAP, write_remote_code
 
@@ -472,18 +472,20 @@ def attention_layout(attention_mask, position_ids, past_length, batch_and_length
         return FoxAttentionLayout()
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(dtype=torch.int32)
+        lengths = packed_sequence_lengths(cu_seqlens, B * T)
         doc_start = torch.zeros(B * T, dtype=torch.bool, device=cu_seqlens.device)
         doc_start[cu_seqlens[:-1].long()] = True
         doc_start = doc_start.view(B, T)
     else:
         doc_start = (position_ids == 0).expand(B, T).clone()
         doc_start[:, 0] = True
-        if int(doc_start.sum()) == B:
-            return FoxAttentionLayout()
         starts = doc_start.flatten().nonzero().flatten()
+        if starts.numel() == B:  # one document per row: nothing is packed
+            return FoxAttentionLayout()
         cu_seqlens = torch.cat([starts, starts.new_tensor([B * T])]).to(torch.int32)
-    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return FoxAttentionLayout(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, doc_start=doc_start)
+        lengths = packed_sequence_lengths(cu_seqlens, B * T)
+    # `packed_sequence_lengths` syncs once per forward; the layers' attention calls then find the boundaries checked.
+    return FoxAttentionLayout(cu_seqlens=cu_seqlens, max_seqlen=max(lengths), doc_start=doc_start)
 
 
 class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):

@@ -91,6 +91,18 @@ def test_packed_documents_do_not_see_each_other(make_model):
         start += len(d)
 
 
+def test_packed_boundaries_are_checked_once_per_forward_not_once_per_layer(make_model, monkeypatch):
+    from foxlm.kernels import interface
+
+    model = make_model()
+    assert model.config.num_hidden_layers > 1
+    layer_checks = []
+    monkeypatch.setattr(interface, "packed_sequence_lengths", lambda *args: layer_checks.append(args))
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+    model(torch.randint(3, 97, (1, 7)), position_ids=position_ids, use_cache=False)
+    assert layer_checks == []  # the model's layout checked them (one device sync); its layers trust that
+
+
 def test_gradient_checkpointing_gives_the_same_gradients(make_model):
     model = make_model().train()
     ids = torch.randint(3, 97, (2, 10))

@@ -9,6 +9,7 @@ reference otherwise (or when asked for with `backend="reference"`). Both run ins
 import contextlib
 import logging
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -26,6 +27,9 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "triton", "reference")
 MAX_TRITON_HEAD_DIM = 256
 _warned_reference_on_gpu = False
+# The packed-sequence boundaries checked last, as (weak reference, tensor version, packed length): every layer of a
+# forward passes the same tensor, and reading its values is a device-to-host copy (a sync), so it is checked once.
+_checked_cu_seqlens = (None, -1, -1)
 
 
 def runs_on_triton(backend, x, has_triton, what="the Triton kernel", max_head_dim=MAX_TRITON_HEAD_DIM):
@@ -95,15 +99,31 @@ def _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start):
         if seq_start is not None:
             raise ValueError("`seq_start` (left padding) cannot be combined with `cu_seqlens`: packed batches "
                              "have no padding.")
-        bounds = cu_seqlens.tolist()
-        if bounds[0] != 0 or bounds[-1] != Tq or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
-            raise ValueError(f"`cu_seqlens` must start at 0, be non-decreasing and end at the packed length {Tq}, "
-                             f"got {bounds}.")
+        if not _was_checked(cu_seqlens, Tq):
+            packed_sequence_lengths(cu_seqlens, Tq)
     if seq_start is not None:
         if seq_start.dim() != 1 or seq_start.shape[0] != B or seq_start.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"`seq_start` must be a 1-D int tensor of length batch={B}, got {_describe(seq_start)}.")
         if seq_start.device != q.device:
             raise ValueError(f"`seq_start` is on {seq_start.device} but `q` is on {q.device}.")
+
+
+def packed_sequence_lengths(cu_seqlens, total):
+    """The lengths of packed sequences, after checking their boundaries `cu_seqlens`: a 1-D int tensor that starts at
+    0, never decreases and ends at `total`. Reading the boundaries syncs with the device, so the tensor is remembered
+    as checked: the layers of a model that share one `cu_seqlens` cost one sync per forward, not one each."""
+    global _checked_cu_seqlens
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != total or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+        raise ValueError(f"`cu_seqlens` must start at 0, be non-decreasing and end at the packed length {total}, "
+                         f"got {bounds}.")
+    _checked_cu_seqlens = (weakref.ref(cu_seqlens), cu_seqlens._version, total)
+    return [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+
+
+def _was_checked(cu_seqlens, total):
+    ref, version, checked_total = _checked_cu_seqlens
+    return ref is not None and ref() is cu_seqlens and version == cu_seqlens._version and checked_total == total
 
 
 def _describe(x):

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from foxlm.kernels import forgetting_attention, forgetting_attention_reference
+from foxlm.kernels import interface
 from foxlm.kernels import reference as reference_module
 
 
@@ -156,6 +157,22 @@ def test_bad_arguments_raise_value_errors_naming_the_argument(kwargs, message):
     q, k, v, log_fgate = (args.pop(n) for n in ("q", "k", "v", "log_fgate"))
     with pytest.raises(ValueError, match=message):
         forgetting_attention(q, k, v, log_fgate, **args)
+
+
+def test_packed_boundaries_are_read_once_per_tensor_and_again_after_an_in_place_change(monkeypatch):
+    q, k, v = (torch.randn(1, 8, 2, 8) for _ in range(3))
+    log_fgate = torch.zeros(1, 8, 2)
+    cu_seqlens = torch.tensor([0, 3, 8], dtype=torch.int32)
+    checks = []
+    check = interface.packed_sequence_lengths
+    monkeypatch.setattr(interface, "packed_sequence_lengths", lambda *args: checks.append(args) or check(*args))
+    for _ in range(3):  # the layers of a model share one tensor: one read (a device sync on a GPU)
+        forgetting_attention(q, k, v, log_fgate, cu_seqlens=cu_seqlens, max_seqlen=5, backend="reference")
+    assert len(checks) == 1
+    cu_seqlens[1] = 9
+    with pytest.raises(ValueError, match="non-decreasing"):
+        forgetting_attention(q, k, v, log_fgate, cu_seqlens=cu_seqlens, max_seqlen=5, backend="reference")
+
 
 
 def test_reference_is_the_cpu_path():
