@@ -15,10 +15,6 @@ forward's (query, key) pairs sits beside each time.
 """
 
 import argparse
-import datetime
-import json
-import os
-import platform
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from foxlm.kernels import forgetting_attention
 from foxlm.kernels.acp import DEFAULT_EPS, acp_statistics, measured_score_bound
+from run_record import RESULTS_DIR, new_record, record_path, write_record
 
 STAGES = {"_fwd_kernel": "fwd", "_bwd_kv_kernel": "dkdv", "_bwd_q_kernel": "dq", "_bwd_preprocess": "delta"}
 
@@ -178,7 +175,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="only T = 4k and 16k")
     parser.add_argument("--no-reference", action="store_true", help="skip the reference path and accuracy check")
     parser.add_argument("--acp-only", action="store_true", help="only the ACP rows (T = 16k, D = 64 and 128)")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=RESULTS_DIR)
     args = parser.parse_args()
     tokens, hidden = 16384, 2048
     seqlens = [4096, 16384] if args.quick else [2048, 4096, 8192, 16384]
@@ -214,18 +211,11 @@ def main():
         shape_row("GQA D128 T4k 16q/4kv", 4, 4096, 16, 4, 128, gqa=True)
     acp = [acp_rows(D) for D in (64, 128)]
 
-    device = torch.cuda.get_device_name()
-    record = {"device": device, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-              "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "dtype": "bfloat16", "flops": "causal 4*B*H*T^2*D/2 forward, x3.5 forward+backward", "rows": rows,
-              "acp_rows": acp}
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
-    kind = "attention_acp" if args.acp_only else "attention"
-    path = os.path.join(args.out, f"{kind}_{device.replace(' ', '_')}_{stamp}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
-    print(f"\n{device}, torch {torch.__version__}, triton {triton.__version__}; wrote {path}\n")
+    record = new_record(dtype="bfloat16", flops="causal 4*B*H*T^2*D/2 forward, x3.5 forward+backward", rows=rows,
+                        acp_rows=acp)
+    path = record_path(args.out, "attention_acp" if args.acp_only else "attention", record)
+    write_record(path, record)
+    print(f"\n{record['device']}, torch {torch.__version__}, triton {triton.__version__}; wrote {path}\n")
     if rows:
         print_table(rows)
     print_acp_table(acp)

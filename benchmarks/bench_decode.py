@@ -9,31 +9,28 @@ One run on one GPU, bf16, three parts (each can be skipped):
   same size.
 - eviction: cache memory after a 128k-token prompt and 64 new tokens (bf16), on a FoX model whose KV heads are 70%
   fast forgetting, with and without `decode_kv_eviction`; and whether greedy tokens stay the same (fp32, 16k prompt).
-Results go to benchmarks/results/decode_<device>_<date>.json (written after every part) and are printed.
+Results go to benchmarks/results/decode_<device>_<date-time>.json (written after every part) and are printed.
 
     python benchmarks/bench_decode.py [--parts attention,generate,eviction] [--out DIR]
 """
 
 import argparse
 import contextlib
-import datetime
 import gc
-import json
 import os
-import platform
 import time
 
 os.environ.setdefault("FOXLM_AUTOTUNE", "0")  # prefill: the training kernel's first config, no autotuning
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import transformers  # noqa: E402
 import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from foxlm import FoxConfig, FoxForCausalLM  # noqa: E402
 from foxlm.kernels.decode import forgetting_decode  # noqa: E402
+from run_record import RESULTS_DIR, new_record, record_path, write_record  # noqa: E402
 
 PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s, SXM parts
 
@@ -187,19 +184,14 @@ def bench_eviction(results, prompt=131072, same_tokens_prompt=16384, new_tokens=
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="attention,generate,eviction")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=RESULTS_DIR)
     args = parser.parse_args()
-    device = torch.cuda.get_device_name()
-    results = dict(device=device, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
-                   python=platform.python_version(), peak_bandwidth_bytes_per_s=peak_bandwidth())
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"decode_{device.replace(' ', '_')}_{results['date'][:10]}.json")
+    results = new_record(peak_bandwidth_bytes_per_s=peak_bandwidth())
+    path = record_path(args.out, "decode", results)
     parts = {"attention": bench_attention, "generate": bench_generate, "eviction": bench_eviction}
     for part in args.parts.split(","):
         parts[part](results)
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
+        write_record(path, results)
     print("wrote", path)
 
 

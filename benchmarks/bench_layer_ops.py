@@ -14,10 +14,6 @@ benchmarks/results/layer_ops_<device>_<date>.json and a markdown table is printe
 """
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import time
 from functools import partial
 
@@ -25,6 +21,7 @@ import torch
 import triton
 
 from foxlm.kernels.layer_ops import head_rms_norm, token_shift
+from run_record import RESULTS_DIR, new_record, record_path, write_record
 
 
 def make_ops(tokens, seqlen, heads, head_dim, device="cuda"):
@@ -119,24 +116,18 @@ def main(argv=None):
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=RESULTS_DIR)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_layer_ops.py times CUDA kernels: run it on a GPU.")
     ops = make_ops(args.tokens, args.seqlen, args.heads, args.head_dim)
     rows = [measure(name, fn, inputs, compiled=not args.no_compile) for name, (fn, inputs) in ops.items()]
-    device = torch.cuda.get_device_name()
-    now = datetime.datetime.now(datetime.timezone.utc)
-    record = {"device": device, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-              "python": platform.python_version(), "date": now.isoformat(), "tokens": args.tokens,
-              "seqlen": args.seqlen, "heads": args.heads, "head_dim": args.head_dim,
-              "dtypes": "bf16 activations, fp32 scales", "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"layer_ops_{device.replace(' ', '_')}_{now.strftime('%Y%m%d-%H%M')}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
-    print(f"{device}, torch {torch.__version__}, triton {triton.__version__}; B*T = {args.tokens}, T = {args.seqlen}, "
-          f"{args.heads} heads x {args.head_dim}; times in ms (median); wrote {path}\n")
+    record = new_record(tokens=args.tokens, seqlen=args.seqlen, heads=args.heads, head_dim=args.head_dim,
+                        dtypes="bf16 activations, fp32 scales", rows=rows)
+    path = record_path(args.out, "layer_ops", record)
+    write_record(path, record)
+    print(f"{record['device']}, torch {torch.__version__}, triton {triton.__version__}; B*T = {args.tokens}, "
+          f"T = {args.seqlen}, {args.heads} heads x {args.head_dim}; times in ms (median); wrote {path}\n")
     print_table(rows)
 
 

@@ -25,21 +25,18 @@ row; rows are printed as they come, tables at the end.
 """
 
 import argparse
-import datetime
 import gc
 import json
 import math
-import os
-import platform
 import time
 import traceback
 
 import torch
-import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from foxlm import FoxConfig, FoxForCausalLM
 from foxlm.kernels.acp import DEFAULT_EPS, acp_statistics
+from run_record import RESULTS_DIR, new_record, record_path, write_record
 
 MODELS = {"llama-sdpa": "LLaMA (SDPA)", "fox-llama": "FoX (LLaMA)", "fox-pro": "FoX (Pro)"}
 VOCAB_SIZE = 32000
@@ -335,7 +332,7 @@ def parse_args(argv=None):
     parser.add_argument("--profile", action="store_true", help="add the profiler breakdown (--profile-config)")
     parser.add_argument("--profile-config", default="760m:16384:on",
                         help="SIZE:CONTEXT:CHECKPOINTING profiled for every model, ACP off (default: %(default)s)")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=RESULTS_DIR)
     args = parser.parse_args(argv)
     for model in args.models + args.compile_models:
         if model not in MODELS:
@@ -349,23 +346,13 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     on_gpu = torch.cuda.is_available()
-    device = torch.cuda.get_device_name() if on_gpu else "cpu"
-    results = dict(device=device, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
-                   precision="fp32 parameters and AdamW state, bf16 autocast", vocab_size=VOCAB_SIZE,
-                   tokens_per_step=args.tokens_per_step, warmup=args.warmup, steps=args.steps, rows=[])
-    if on_gpu:
-        import triton
-
-        results["triton"] = triton.__version__
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")  # several runs a day keep their own files
-    path = os.path.join(args.out, f"training_{device.replace(' ', '_')}_{stamp}.json")
+    results = new_record(precision="fp32 parameters and AdamW state, bf16 autocast", vocab_size=VOCAB_SIZE,
+                         tokens_per_step=args.tokens_per_step, warmup=args.warmup, steps=args.steps, rows=[])
+    path = record_path(args.out, "training", results)
 
     def write():
         results["summary"] = summarize(results["rows"])
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
+        write_record(path, results)
 
     for spec in grid(args):
         warmup = max(args.warmup, 3) if spec.get("compiled") else args.warmup

@@ -4,7 +4,6 @@ import argparse
 import math
 import random
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -13,8 +12,11 @@ from tqdm.auto import tqdm
 
 
 def stdlib_source_bytes(max_files=None, seed=0):
-    """UTF-8 bytes of the Python standard library's own source files: real, long, offline text."""
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    """UTF-8 bytes of the Python standard library's own source files (the corpus of `foxlm.data`): real, long,
+    offline text."""
+    from foxlm.data import stdlib_source_files
+
+    files = stdlib_source_files()
     random.Random(seed).shuffle(files)
     return [f.read_bytes() for f in files[:max_files]]
 
