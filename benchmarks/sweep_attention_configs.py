@@ -11,22 +11,20 @@ foxlm/kernels/triton_attention.py (FOXLM_AUTOTUNE=0 takes the first alone).
 """
 
 import argparse
-import datetime
-import json
 import os
 
 os.environ["FOXLM_AUTOTUNE"] = "1"  # before the kernels are imported
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
 from torch.nn.attention import SDPBackend  # noqa: E402
 
 from bench_attention import accuracy, bench, causal_flops, make, sdpa  # noqa: E402
 from foxlm.kernels import forgetting_attention  # noqa: E402
 from foxlm.kernels import triton_attention as ta  # noqa: E402
+from run_record import RESULTS_DIR, new_record, record_path, write_record  # noqa: E402
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); per kernel and head dim, the current list first.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) beyond the autotune lists (those already listed are skipped).
 CANDIDATES = {
     "fwd": (ta._fwd, ta._FWD_CONFIGS, {64: [(128, 64, 8, 3), (128, 32, 4, 3)], 128: [(128, 128, 8, 3), (64, 64, 4, 3)]}),
     "dq": (ta._bwd_q, ta._BWD_Q_CONFIGS, {64: [(64, 32, 4, 3), (64, 128, 8, 2), (128, 64, 4, 3)],
@@ -46,11 +44,12 @@ def config_times(tuner):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=RESULTS_DIR)
     args = parser.parse_args()
     for _, table, extra in CANDIDATES.values():
         for head_dim, entries in extra.items():
-            table[head_dim].extend(ta._configs(entries))
+            listed = {str(c) for c in table[head_dim]}
+            table[head_dim].extend(c for c in ta._configs(entries) if str(c) not in listed)
     rows = []
     for D in (64, 128):
         T, H = 16384, 2048 // D
@@ -79,13 +78,9 @@ def main():
             print(f"D{D} {name}: " + ", ".join(f"{cfg} {ms:.3f}" for cfg, ms in ranked), flush=True)
         print(f"D{D}: fwd+bwd {row['ours_fwd_bwd_ms']:.2f} ms ({row['ours_tflops']:.0f} TF/s), cuDNN "
               f"{row['cudnn_fwd_bwd_ms']:.2f} ms: {row['cudnn_fwd_bwd_ms'] / row['ours_fwd_bwd_ms']:.2f}x", flush=True)
-    device = torch.cuda.get_device_name()
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"config_sweep_{device.replace(' ', '_')}_{stamp}.json")
-    with open(path, "w") as f:
-        json.dump({"device": device, "torch": torch.__version__, "triton": triton.__version__, "rows": rows}, f,
-                  indent=1)
+    record = new_record(rows=rows)
+    path = record_path(args.out, "config_sweep", record)
+    write_record(path, record)
     print(f"wrote {path}")
 
 

@@ -432,10 +432,11 @@ def _bwd_q_kernel(Q, K, V, C, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, SEQ_STA
 
 # ----------------------------------------------------------------------------------------------------------------
 # Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) by padded head dim, the best measured on an H100
-# first (FOXLM_AUTOTUNE=0 takes it alone), autotuned once per (head dim, GQA group, flags, dtypes); pruned and
-# unpruned launches share the choice, so that pruning nothing is bit-identical to not pruning. Configurations
-# whose pipelined tiles do not fit the device's shared memory are dropped first, so that GPUs with ~100 KB per block
-# (Ada, consumer Blackwell) get smaller tiles instead of an error.
+# first (FOXLM_AUTOTUNE=0 takes it alone), then the other timed ones, then (D = 64, 128) configurations that spill
+# far fewer registers on sm_90 (`benchmarks/kernel_resources.py`). Autotuned once per (head dim, GQA group, flags,
+# dtypes); pruned and unpruned launches share the choice, so that pruning nothing is bit-identical to not pruning.
+# Configurations whose pipelined tiles do not fit the device's shared memory are dropped first, so that GPUs with
+# ~100 KB per block (Ada, consumer Blackwell) get smaller tiles instead of an error.
 
 
 def _configs(entries):
@@ -449,18 +450,19 @@ if _INTERPRET:
     _BWD_Q_CONFIGS = {0: _configs([(32, 16, 4, 1)])}
 else:
     _FWD_CONFIGS = {
-        64: _configs([(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)]),
-        128: _configs([(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3)]),
+        64: _configs([(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)]),
+        128: _configs([(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2)]),
         256: _configs([(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)]),
     }
     _BWD_KV_CONFIGS = {
-        64: _configs([(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 4)]),
-        128: _configs([(64, 64, 4, 2), (32, 64, 4, 4), (32, 128, 4, 4)]),
+        64: _configs([(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 4), (64, 128, 8, 1), (32, 64, 4, 2),
+                      (32, 32, 4, 3)]),
+        128: _configs([(64, 64, 4, 2), (32, 64, 4, 4), (32, 128, 4, 4), (64, 64, 8, 1), (32, 128, 8, 1)]),
         256: _configs([(32, 64, 4, 2), (16, 64, 4, 2), (32, 32, 4, 1)]),
     }
     _BWD_Q_CONFIGS = {
-        64: _configs([(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 5)]),
-        128: _configs([(64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 4)]),
+        64: _configs([(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 5), (64, 32, 4, 3)]),
+        128: _configs([(64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 2), (128, 64, 8, 2)]),
         256: _configs([(64, 32, 4, 2), (64, 16, 4, 2), (32, 32, 4, 1)]),
     }
 _FALLBACK = _configs([(16, 16, 4, 1)])
