@@ -2,12 +2,13 @@
 
 No GPU needed: each kernel (forward, dQ, dK/dV; unpruned and pruned) is compiled by Triton for the target (default
 sm_90, H100/H200) at every launch configuration in its autotune list, and the cubin's resource usage is read with
-the cuobjdump that ships with Triton. Spill bytes are the per-thread local memory (spilled registers). The main loop
-is the kernel's unmasked inner loop, where nearly all iterations run: its SASS instructions per iteration, and how
-many of them are local-memory loads and stores (spill traffic where it costs). A configuration that spills is not
-necessarily slow (spills stay in L1 when they fit), but spills and main-loop length are the first things to look at
-when a kernel runs below its peers; candidates for the autotune lists can be screened here before spending device
-time.
+the cuobjdump that ships with Triton. Arguments are specialized as Triton's JIT specializes those of
+`bench_attention.py`'s launches (aligned pointers, strides divisible by 16, a GQA group of 1), so the code is the
+code that runs. Spill bytes are the per-thread local memory (spilled registers). The main loop is the kernel's
+unmasked inner loop, where nearly all iterations run: its SASS instructions per iteration, and how many of them are
+local-memory loads and stores (spill traffic where it costs). "wgmma serialized" is ptxas's warning C7515: it found
+a reason to wait for every tensor-core instruction before the next, which costs the overlap of the softmax with the
+matrix products. Candidates for the autotune lists can be screened here before spending device time.
 
     python benchmarks/kernel_resources.py [--arch 90] [--head-dim 64 128] [--kernels fwd dq dkdv] [--prune]
 """
@@ -21,8 +22,11 @@ import tempfile
 if os.environ.get("TRITON_INTERPRET") == "1":
     raise SystemExit("kernel_resources.py compiles real kernels: unset TRITON_INTERPRET.")
 
+import torch  # noqa: E402
 import triton  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402  (what the JIT specializes arguments with)
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend, get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from foxlm.kernels import triton_attention as ta  # noqa: E402
@@ -32,23 +36,54 @@ KERNELS = {  # name: (jit function, autotune table)
     "dq": (ta._bwd_q_kernel, ta._BWD_Q_CONFIGS),
     "dkdv": (ta._bwd_kv_kernel, ta._BWD_KV_CONFIGS),
 }
-POINTER_TYPES = {"C": "*fp64", "LSE": "*fp32", "DELTA": "*fp32", "DELTA_ERR": "*fp32", "DC": "*fp32",
-                 "BOUND": "*fp32", "CU_SEQLENS": "*i32", "SEQ_START": "*i32", "PRUNED": "*i32"}
-FLOAT_ARGS = {"qk_scale", "sm_scale", "log_eps"}
+POINTER_DTYPES = {"C": torch.float64, "LSE": torch.float32, "DELTA": torch.float32, "DELTA_ERR": torch.float32,
+                  "DC": torch.float32, "BOUND": torch.float32, "CU_SEQLENS": torch.int32, "SEQ_START": torch.int32,
+                  "PRUNED": torch.int32}  # the rest (q, k, v, o and their gradients) bf16
+FLOAT_ARGS = {"qk_scale": 0.125 * 1.4427, "sm_scale": 0.125, "log_eps": -10.0}
 
 
-def compile_kernel(fn, constexprs, num_warps, num_stages, arch):
-    """Compile `fn` for `arch` with bf16 q/k/v: pointer arguments are upper-case, scalars i32 unless float."""
-    signature = {}
+def launch_arguments(fn, head_dim, seqlen=16384, hidden=2048, group=1):
+    """The non-constexpr arguments of `fn` as `bench_attention.py` launches it (batch 1, `seqlen` tokens,
+    hidden // head_dim query heads, contiguous bf16 (B, T, H, D) tensors, c laid out (B, H, T)): Triton specializes
+    the compiled code on them (16-byte aligned pointers, integers divisible by 16, integers equal to 1)."""
+    heads = hidden // head_dim
+    values = {}
     for name in fn.arg_names:
+        if name.isupper():
+            values[name] = torch.empty(16, dtype=POINTER_DTYPES.get(name, torch.bfloat16))  # only dtype and alignment
+        elif name in FLOAT_ARGS:
+            values[name] = FLOAT_ARGS[name]
+        elif name.startswith("stride_c"):  # (B, H, T) with unit stride along T
+            values[name] = {"b": heads * seqlen, "t": 1, "h": seqlen}[name[-1]]
+        elif name.startswith("stride_u"):  # U broadcast over (B, H)
+            values[name] = 0
+        elif name.startswith("stride_"):  # (B, T, H, D)
+            values[name] = {"b": seqlen * heads * head_dim, "t": heads * head_dim, "h": head_dim}[name[-1]]
+        elif name in ("Tq", "Tk", "max_seqlen_q", "max_seqlen_k"):
+            values[name] = seqlen
+        elif name == "num_heads":
+            values[name] = heads
+        elif name == "group":
+            values[name] = group
+    return values
+
+
+def compile_kernel(fn, constexprs, num_warps, num_stages, arch, arguments=None):
+    """Compile `fn` for `arch` as the JIT would for `arguments` (default: `launch_arguments` at BLOCK_D)."""
+    arguments = arguments or launch_arguments(fn, constexprs["BLOCK_D"])
+    signature, attrs, constants = {}, {}, dict(constexprs)
+    for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name.isupper():
-            signature[name] = POINTER_TYPES.get(name, "*bf16")
-        else:
-            signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
-    source = ASTSource(fn=fn, signature=signature,
-                       constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+            continue
+        kind, specialization = native_specialize_impl(CUDABackend, arguments[name], False, True, True)
+        signature[name] = kind
+        if kind == "constexpr":  # integers equal to 1
+            constants[name] = specialization
+        elif isinstance(specialization, str):
+            attrs[(i,)] = CUDABackend.parse_attr(specialization)
+    source = ASTSource(fn=fn, signature=signature, attrs=attrs,
+                       constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
@@ -66,6 +101,17 @@ def resource_usage(compiled):
     usage = dict((k, int(v)) for k, v in re.findall(r"(REG|STACK):(\d+)", _cuobjdump(compiled, "-res-usage")))
     usage["SHARED"] = compiled.metadata.shared  # Triton's dynamic shared memory (cuobjdump reports static only)
     return usage
+
+
+def wgmma_serialized(compiled, arch):
+    """Whether ptxas serializes the kernel's wgmma instructions (its performance warning C7515)."""
+    ptxas = get_ptxas(arch).path  # the one Triton compiled the kernel with
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(compiled.asm["ptx"])
+        ptx.flush()
+        report = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", ptx.name, "-o", os.devnull], capture_output=True,
+                                text=True, check=True)
+    return "C7515" in report.stdout + report.stderr
 
 
 def main_loop(compiled):
@@ -98,8 +144,8 @@ def main():
     parser.add_argument("--first-only", action="store_true", help="only the first (default) configuration per list")
     args = parser.parse_args()
     print("| kernel | head dim | BLOCK_M x BLOCK_N | warps | stages | prune | registers | spill bytes/thread | "
-          "shared KB | main loop instructions (local loads+stores) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "shared KB | main loop instructions (local loads+stores) | wgmma serialized |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.kernels:
         fn, table = KERNELS[name]
         for head_dim in args.head_dim:
@@ -115,7 +161,8 @@ def main():
                     usage, loop = resource_usage(compiled), main_loop(compiled)
                     print(f"| {name} | {head_dim} | {config.kwargs['BLOCK_M']} x {config.kwargs['BLOCK_N']} | "
                           f"{config.num_warps} | {config.num_stages} | {prune} | {usage['REG']} | {usage['STACK']} | "
-                          f"{usage['SHARED'] / 1024:.0f} | {'-' if loop is None else '%d (%d)' % loop} |", flush=True)
+                          f"{usage['SHARED'] / 1024:.0f} | {'-' if loop is None else '%d (%d)' % loop} | "
+                          f"{'yes' if wgmma_serialized(compiled, args.arch) else 'no'} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -31,18 +31,25 @@ def test_refuses_to_run_in_the_interpreter():
     assert result.returncode != 0 and "unset TRITON_INTERPRET" in result.stderr
 
 
-def test_pruning_leaves_the_main_loops_of_the_forward_and_dq_passes_as_short_as_without():
-    """ACP computes the first kept key block at run time. Unless the compiler knows that bound is non-negative, the
-    pruned dQ pass's main loop recomputes 64-bit addresses and grows by a quarter at D128 (sm_90), a cost paid even
-    when nothing is pruned."""
+def test_default_configurations_keep_tensor_core_instructions_asynchronous_with_and_without_pruning():
+    """ptxas serializes every wgmma of a kernel (warning C7515) on some code shapes: with the ptxas of Triton 3.6
+    (the GPU image's) the forward and dQ kernels had that until the causal diagonal moved ahead of the full key blocks
+    (a loop that may run zero times fed its zero accumulator to the pending wait); later ptxas versions were not
+    affected. Under the installed Triton, no default configuration may have it, pruned or not, and pruning may not
+    lengthen the main loops."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, str(SCRIPT), "--head-dim", "128", "--kernels", "fwd", "dq", "--first-only",
-                          "--prune"], capture_output=True, text=True, env=env, timeout=600, check=True).stdout
-    loops = {}
+    out = subprocess.run([sys.executable, str(SCRIPT), "--first-only", "--prune"], capture_output=True, text=True,
+                         env=env, timeout=900, check=True).stdout
+    loops, serialized = {}, []
     for row in out.splitlines():
         cells = [cell.strip() for cell in row.strip("|").split("|")]
-        if cells[0] in ("fwd", "dq"):
-            loops[cells[0], cells[5] == "True"] = int(cells[-1].split()[0])
-    assert len(loops) == 4, out
-    for kernel in ("fwd", "dq"):
-        assert loops[kernel, True] <= 1.02 * loops[kernel, False], (kernel, loops)
+        if cells[0] in ("fwd", "dq", "dkdv"):
+            key = (cells[0], cells[1], cells[5] == "True")
+            loops[key] = int(cells[9].split()[0])
+            if cells[10] != "no":
+                serialized.append(key)
+    assert len(loops) == 12, out
+    assert serialized == [], out
+    for kernel, head_dim, pruned in loops:
+        if pruned:
+            assert loops[kernel, head_dim, True] <= 1.05 * loops[kernel, head_dim, False], out

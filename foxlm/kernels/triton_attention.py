@@ -208,18 +208,18 @@ def _fwd_kernel(Q, K, V, C, O, LSE, CU_SEQLENS, SEQ_START, BOUND, PRUNED,
     if PRUNE:
         threshold = _prune_threshold(BOUND, stride_ub, stride_uh, batch, h, log_eps, seq_k, kv_start)
         lo = _first_kept_key(C, stride_ct, anchor, threshold, lo, p_seq + start_m, BLOCK_N, SEARCH_WIDTH)
-        # Known non-negative, the compiler indexes K and V as cheaply as from the constant 0 of unpruned launches
-        # (without it the dQ pass's main loop grows by a quarter at D128, sm_90: 64-bit address arithmetic).
-        tl.assume(lo >= 0)
     diag_lo = tl.maximum(lo, (p_seq + start_m + 1) // BLOCK_N * BLOCK_N)
     hi = tl.minimum(p_seq + start_m + BLOCK_M, seq_k)
-    # Stage 1: key blocks every query of the block sees in full. Stage 2: the causal diagonal.
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, stride_ct, anchor, q_pos,
-                               kv_start, seq_k, qk_scale, lo, diag_lo, offs_n, offs_d,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_SEQ_START, DOT_PRECISION)
+    # Stage 1: the causal diagonal. Stage 2: key blocks every query of the block sees in full. The diagonal goes
+    # first because it always runs: with the full blocks first, a loop that may run zero times hands its zero
+    # accumulator to the pending tensor-core wait, and the ptxas of Triton 3.6 then serializes every wgmma of the
+    # kernel (sm_90, warning C7515; `benchmarks/kernel_resources.py` reports it).
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, stride_ct, anchor, q_pos,
                                kv_start, seq_k, qk_scale, diag_lo, hi, offs_n, offs_d,
                                HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_SEQ_START, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, stride_ct, anchor, q_pos,
+                               kv_start, seq_k, qk_scale, lo, diag_lo, offs_n, offs_d,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_SEQ_START, DOT_PRECISION)
 
     c_q = tl.load(C + q_pos.to(tl.int64) * stride_ct, mask=offs_m < seq_q, other=0.0)
     q_bias = (c_q - anchor).to(tl.float32) * 1.4426950408889634
@@ -417,17 +417,15 @@ def _bwd_q_kernel(Q, K, V, C, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, SEQ_STA
     if PRUNE:
         threshold = _prune_threshold(BOUND, stride_ub, stride_uh, batch, h, log_eps, seq_k, kv_start)
         lo = _first_kept_key(C, stride_ct, anchor, threshold, lo, p_seq + start_m, BLOCK_N, SEARCH_WIDTH)
-        # Known non-negative, the compiler indexes K and V as cheaply as from the constant 0 of unpruned launches
-        # (without it the dQ pass's main loop grows by a quarter at D128, sm_90: 64-bit address arithmetic).
-        tl.assume(lo >= 0)
     diag_lo = tl.maximum(lo, (p_seq + start_m + 1) // BLOCK_N * BLOCK_N)
     hi = tl.minimum(p_seq + start_m + BLOCK_M, seq_k)
-    dq, row_err = _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, stride_kt, stride_vt, stride_ct, anchor,
-                               q_pos, kv_start, seq_k, qk_scale, lo, diag_lo, offs_n, offs_d,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_SEQ_START, DOT_PRECISION)
+    # The diagonal first, as in the forward (keeps ptxas from serializing the wgmma).
     dq, row_err = _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, stride_kt, stride_vt, stride_ct, anchor,
                                q_pos, kv_start, seq_k, qk_scale, diag_lo, hi, offs_n, offs_d,
                                HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_SEQ_START, DOT_PRECISION)
+    dq, row_err = _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, stride_kt, stride_vt, stride_ct, anchor,
+                               q_pos, kv_start, seq_k, qk_scale, lo, diag_lo, offs_n, offs_d,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_SEQ_START, DOT_PRECISION)
     _store_tile(DQ + batch * stride_dqb + bos * stride_dqt + h * stride_dqh, dq * sm_scale, offs_m, seq_q,
                 stride_dqt, offs_d, HEAD_DIM)
     # sum_j dS_ij = sum_j P_ij dP_ij - delta_i: zero for the exact delta, but delta comes from the output rounded
@@ -438,11 +436,11 @@ def _bwd_q_kernel(Q, K, V, C, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, SEQ_STA
 
 # ----------------------------------------------------------------------------------------------------------------
 # Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) by padded head dim, the best measured on an H100
-# first (FOXLM_AUTOTUNE=0 takes it alone), then the other timed ones, then (D = 64, 128) configurations that spill
-# far fewer registers on sm_90 (`benchmarks/kernel_resources.py`). Autotuned once per (head dim, GQA group, flags,
-# dtypes); pruned and unpruned launches share the choice, so that pruning nothing is bit-identical to not pruning.
-# Configurations whose pipelined tiles do not fit the device's shared memory are dropped first, so that GPUs with
-# ~100 KB per block (Ada, consumer Blackwell) get smaller tiles instead of an error.
+# first (FOXLM_AUTOTUNE=0 takes it alone), then the other timed ones; dK/dV also tries two untimed configurations
+# that spill less than the timed ones on sm_90 (`benchmarks/kernel_resources.py`). Autotuned once per (head dim,
+# GQA group, flags, dtypes); pruned and unpruned launches share the choice, so that pruning nothing is bit-identical
+# to not pruning. Configurations whose pipelined tiles do not fit the device's shared memory are dropped first, so
+# that GPUs with ~100 KB per block (Ada, consumer Blackwell) get smaller tiles instead of an error.
 
 
 def _configs(entries):
@@ -456,19 +454,18 @@ if _INTERPRET:
     _BWD_Q_CONFIGS = {0: _configs([(32, 16, 4, 1)])}
 else:
     _FWD_CONFIGS = {
-        64: _configs([(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)]),
-        128: _configs([(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2)]),
+        64: _configs([(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)]),
+        128: _configs([(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3)]),
         256: _configs([(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)]),
     }
     _BWD_KV_CONFIGS = {
-        64: _configs([(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 4), (64, 128, 8, 1), (32, 64, 4, 2),
-                      (32, 32, 4, 3)]),
+        64: _configs([(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 4), (64, 128, 8, 1), (32, 64, 4, 2)]),
         128: _configs([(64, 64, 4, 2), (32, 64, 4, 4), (32, 128, 4, 4), (64, 64, 8, 1), (32, 128, 8, 1)]),
         256: _configs([(32, 64, 4, 2), (16, 64, 4, 2), (32, 32, 4, 1)]),
     }
     _BWD_Q_CONFIGS = {
-        64: _configs([(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 5), (64, 32, 4, 3)]),
-        128: _configs([(64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 4), (64, 32, 4, 2), (128, 64, 8, 2)]),
+        64: _configs([(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 5)]),
+        128: _configs([(64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 4)]),
         256: _configs([(64, 32, 4, 2), (64, 16, 4, 2), (32, 32, 4, 1)]),
     }
 _FALLBACK = _configs([(16, 16, 4, 1)])
