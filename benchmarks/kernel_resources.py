@@ -6,11 +6,12 @@ the cuobjdump that ships with Triton. Arguments are specialized as Triton's JIT 
 `bench_attention.py`'s launches (aligned pointers, strides divisible by 16, a GQA group of 1), so the code is the
 code that runs. Spill bytes are the per-thread local memory (spilled registers). The main loop is the kernel's
 unmasked inner loop, where nearly all iterations run: its SASS instructions per iteration, and how many of them are
-local-memory loads and stores (spill traffic where it costs). "wgmma serialized" is ptxas's warning C7515: it found
-a reason to wait for every tensor-core instruction before the next, which costs the overlap of the softmax with the
-matrix products. Candidates for the autotune lists can be screened here before spending device time.
+local-memory loads and stores (spill traffic where it costs). "wgmma serialized" gives ptxas's warning codes when it
+found a reason to wait for every tensor-core instruction before the next (C7515, C7512), which costs the overlap of
+the softmax with the matrix products. Candidates for the autotune lists can be screened here before spending device time.
 
     python benchmarks/kernel_resources.py [--arch 90] [--head-dim 64 128] [--kernels fwd dq dkdv] [--prune]
+        [--first-only] [--layout dense|packed|padded]
 """
 
 import argparse
@@ -104,14 +105,18 @@ def resource_usage(compiled):
 
 
 def wgmma_serialized(compiled, arch):
-    """Whether ptxas serializes the kernel's wgmma instructions (its performance warning C7515)."""
+    """ptxas's reasons for serializing the kernel's wgmma instructions, as its warning codes ("C7515": accumulator
+    registers written by other instructions inside a pipeline stage, "C7512": too few registers); "" if it does
+    not."""
     ptxas = get_ptxas(arch).path  # the one Triton compiled the kernel with
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
         ptx.write(compiled.asm["ptx"])
         ptx.flush()
         report = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", ptx.name, "-o", os.devnull], capture_output=True,
                                 text=True, check=True)
-    return "C7515" in report.stdout + report.stderr
+    lines = (report.stdout + report.stderr).splitlines()
+    return " ".join(sorted({code for line in lines if "wgmma.mma_async instructions are serialized" in line
+                            for code in re.findall(r"\((C\d+)\)", line)}))
 
 
 def main_loop(compiled):
@@ -142,6 +147,8 @@ def main():
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     parser.add_argument("--prune", action="store_true", help="also the pruned (ACP) variant of every kernel")
     parser.add_argument("--first-only", action="store_true", help="only the first (default) configuration per list")
+    parser.add_argument("--layout", choices=["dense", "packed", "padded"], default="dense",
+                        help="the kernel variant: equal-length sequences, packed ones (cu_seqlens) or left-padded ones")
     args = parser.parse_args()
     print("| kernel | head dim | BLOCK_M x BLOCK_N | warps | stages | prune | registers | spill bytes/thread | "
           "shared KB | main loop instructions (local loads+stores) | wgmma serialized |")
@@ -152,7 +159,8 @@ def main():
             configs = table[head_dim][:1] if args.first_only else table[head_dim]
             for config in configs:
                 for prune in (False, True) if args.prune else (False,):
-                    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, IS_VARLEN=False, HAS_SEQ_START=False,
+                    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, IS_VARLEN=args.layout == "packed",
+                                      HAS_SEQ_START=args.layout == "padded",
                                       DOT_PRECISION="tf32", PRUNE=prune, SEARCH_WIDTH=ta.SEARCH_WIDTH, HEAD_GROUP=1,
                                       **config.kwargs)
                     if "COUNT_PRUNED" in fn.arg_names:
@@ -162,7 +170,7 @@ def main():
                     print(f"| {name} | {head_dim} | {config.kwargs['BLOCK_M']} x {config.kwargs['BLOCK_N']} | "
                           f"{config.num_warps} | {config.num_stages} | {prune} | {usage['REG']} | {usage['STACK']} | "
                           f"{usage['SHARED'] / 1024:.0f} | {'-' if loop is None else '%d (%d)' % loop} | "
-                          f"{'yes' if wgmma_serialized(compiled, args.arch) else 'no'} |", flush=True)
+                          f"{wgmma_serialized(compiled, args.arch) or 'no'} |", flush=True)
 
 
 if __name__ == "__main__":

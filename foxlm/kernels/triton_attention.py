@@ -142,21 +142,31 @@ def _first_kept_key(C, stride_ct, c_first_q, delta, lo, first_q, BLOCK_N: tl.con
 
 
 @triton.jit
+def _key_block(K, V, C, stride_kt, stride_vt, stride_ct, anchor, kv_start, seq_k, start_n, offs_n, offs_d,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, HAS_SEQ_START: tl.constexpr):
+    """(key positions, K tile, V tile, log2-domain key bias) of the key block at start_n, as the query-stationary
+    passes see it; keys before kv_start (left padding) get bias +inf."""
+    offs_k = start_n + offs_n
+    k = _load_tile(K, offs_k, seq_k, stride_kt, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+    v = _load_tile(V, offs_k, seq_k, stride_vt, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+    if MASKED:
+        c_k = tl.load(C + offs_k.to(tl.int64) * stride_ct, mask=offs_k < seq_k, other=0.0)
+    else:
+        c_k = tl.load(C + offs_k.to(tl.int64) * stride_ct)
+    k_bias = (c_k - anchor).to(tl.float32) * 1.4426950408889634
+    if HAS_SEQ_START:
+        k_bias = tl.where(offs_k >= kv_start, k_bias, float("inf"))
+    return offs_k, k, v, k_bias
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, stride_ct, anchor, q_pos, kv_start, seq_k,
                qk_scale, lo, hi, offs_n, offs_d,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
-        offs_k = start_n + offs_n
-        k = _load_tile(K, offs_k, seq_k, stride_kt, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        v = _load_tile(V, offs_k, seq_k, stride_vt, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        if MASKED:
-            c_k = tl.load(C + offs_k.to(tl.int64) * stride_ct, mask=offs_k < seq_k, other=0.0)
-        else:
-            c_k = tl.load(C + offs_k.to(tl.int64) * stride_ct)
-        k_bias = (c_k - anchor).to(tl.float32) * 1.4426950408889634
-        if HAS_SEQ_START:
-            k_bias = tl.where(offs_k >= kv_start, k_bias, float("inf"))
+        offs_k, k, v, k_bias = _key_block(K, V, C, stride_kt, stride_vt, stride_ct, anchor, kv_start, seq_k,
+                                          start_n, offs_n, offs_d, HEAD_DIM, BLOCK_D, MASKED, HAS_SEQ_START)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - k_bias[None, :]
         if MASKED:
             s = tl.where(q_pos[:, None] >= offs_k[None, :], s, float("-inf"))
@@ -211,11 +221,14 @@ def _fwd_kernel(Q, K, V, C, O, LSE, CU_SEQLENS, SEQ_START, BOUND, PRUNED,
     diag_lo = tl.maximum(lo, (p_seq + start_m + 1) // BLOCK_N * BLOCK_N)
     hi = tl.minimum(p_seq + start_m + BLOCK_M, seq_k)
     # Stage 1: the causal diagonal. Stage 2: key blocks every query of the block sees in full. The diagonal goes
-    # first because it always runs: with the full blocks first, a loop that may run zero times hands its zero
-    # accumulator to the pending tensor-core wait, and the ptxas of Triton 3.6 then serializes every wgmma of the
-    # kernel (sm_90, warning C7515; `benchmarks/kernel_resources.py` reports it).
+    # first and the compiler is told that it runs at least once: when a loop that may run zero times comes first, its
+    # zero accumulator reaches the pending tensor-core wait and the ptxas of Triton 3.6 serializes every wgmma of
+    # the kernel (sm_90, warning C7515; `benchmarks/kernel_resources.py` reports it). It does run: when the block's
+    # only query ends a key block, it gets the next key block, fully masked, which leaves the state as it is.
+    diag_hi = tl.maximum(hi, diag_lo + BLOCK_N)
+    tl.assume(diag_hi > diag_lo)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, stride_ct, anchor, q_pos,
-                               kv_start, seq_k, qk_scale, diag_lo, hi, offs_n, offs_d,
+                               kv_start, seq_k, qk_scale, diag_lo, diag_hi, offs_n, offs_d,
                                HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_SEQ_START, DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, stride_ct, anchor, q_pos,
                                kv_start, seq_k, qk_scale, lo, diag_lo, offs_n, offs_d,
@@ -351,16 +364,8 @@ def _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, stride_kt, stride_vt
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                  HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
-        offs_k = start_n + offs_n
-        k = _load_tile(K, offs_k, seq_k, stride_kt, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        v = _load_tile(V, offs_k, seq_k, stride_vt, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        if MASKED:
-            c_k = tl.load(C + offs_k.to(tl.int64) * stride_ct, mask=offs_k < seq_k, other=0.0)
-        else:
-            c_k = tl.load(C + offs_k.to(tl.int64) * stride_ct)
-        k_bias = (c_k - anchor).to(tl.float32) * 1.4426950408889634
-        if HAS_SEQ_START:
-            k_bias = tl.where(offs_k >= kv_start, k_bias, float("inf"))
+        offs_k, k, v, k_bias = _key_block(K, V, C, stride_kt, stride_vt, stride_ct, anchor, kv_start, seq_k,
+                                          start_n, offs_n, offs_d, HEAD_DIM, BLOCK_D, MASKED, HAS_SEQ_START)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale + q_row[:, None] - k_bias[None, :]
         if MASKED:
             s = tl.where(q_pos[:, None] >= offs_k[None, :], s, float("-inf"))
@@ -419,9 +424,11 @@ def _bwd_q_kernel(Q, K, V, C, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, SEQ_STA
         lo = _first_kept_key(C, stride_ct, anchor, threshold, lo, p_seq + start_m, BLOCK_N, SEARCH_WIDTH)
     diag_lo = tl.maximum(lo, (p_seq + start_m + 1) // BLOCK_N * BLOCK_N)
     hi = tl.minimum(p_seq + start_m + BLOCK_M, seq_k)
-    # The diagonal first, as in the forward (keeps ptxas from serializing the wgmma).
+    # The diagonal first, known to run at least once, as in the forward (keeps ptxas from serializing the wgmma).
+    diag_hi = tl.maximum(hi, diag_lo + BLOCK_N)
+    tl.assume(diag_hi > diag_lo)
     dq, row_err = _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, stride_kt, stride_vt, stride_ct, anchor,
-                               q_pos, kv_start, seq_k, qk_scale, diag_lo, hi, offs_n, offs_d,
+                               q_pos, kv_start, seq_k, qk_scale, diag_lo, diag_hi, offs_n, offs_d,
                                HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_SEQ_START, DOT_PRECISION)
     dq, row_err = _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, stride_kt, stride_vt, stride_ct, anchor,
                                q_pos, kv_start, seq_k, qk_scale, lo, diag_lo, offs_n, offs_d,

@@ -95,6 +95,7 @@ BACKENDS = ["triton", "reference"]
         (1, 40, 40, 3, 1, 16),  # MQA, odd group
         (2, 19, 53, 2, 1, 16),  # Tq < Tk: chunked prefill against a cache
         (1, 1, 45, 2, 2, 16),  # one decoding step
+        (1, 33, 48, 2, 2, 16),  # last query block: one row, at a key-block end (all-masked first block)
     ],
 )
 def test_matches_float64_formula(backend, B, Tq, Tk, Hq, Hkv, D):
