@@ -12,6 +12,7 @@ Design (fox-reference.md §3-4):
   into the stored log-sum-exp.
 - Masking rides on the bias vectors: keys before `seq_start` (left padding) get bias +inf, query rows past the end
   get LSE +inf, so off-diagonal blocks need no element-wise mask; only diagonal blocks (their own loop stage) do.
+  The dK/dV pass also runs the last, partial query block apart, so that its main loop has no row mask at all.
 - Backward, two passes and no atomics (deterministic): the query-stationary dQ pass runs first and also returns
   `sum_j dS_ij`, which is exactly the error of delta = rowsum(o * do) taken from the rounded output; the
   key-stationary dK/dV pass then uses the corrected delta. dK/dV programs loop over the query heads of their GQA group,
@@ -270,15 +271,20 @@ def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_ot, stride_oh, stride_dob, s
 def _bwd_kv_inner(dk, dv, dc, k, v, k_bias, Q, DO, C, LSE, DELTA, stride_qt, stride_dot, stride_ct, anchor,
                   offs_n, p_seq, seq_q, qk_scale, lo, hi, offs_d,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  CHECK_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        valid_m = offs_m < seq_q
-        q = _load_tile(Q, offs_m, seq_q, stride_qt, offs_d, HEAD_DIM, BLOCK_D, True)
-        do = _load_tile(DO, offs_m, seq_q, stride_dot, offs_d, HEAD_DIM, BLOCK_D, True)
-        lse = tl.load(LSE + offs_m, mask=valid_m, other=float("inf"))
-        delta = tl.load(DELTA + offs_m, mask=valid_m, other=0.0)
-        c_q = tl.load(C + (p_seq + offs_m).to(tl.int64) * stride_ct, mask=valid_m, other=0.0)
+        q = _load_tile(Q, offs_m, seq_q, stride_qt, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS)
+        do = _load_tile(DO, offs_m, seq_q, stride_dot, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS)
+        if CHECK_ROWS:
+            valid_m = offs_m < seq_q
+            lse = tl.load(LSE + offs_m, mask=valid_m, other=float("inf"))
+            delta = tl.load(DELTA + offs_m, mask=valid_m, other=0.0)
+            c_q = tl.load(C + (p_seq + offs_m).to(tl.int64) * stride_ct, mask=valid_m, other=0.0)
+        else:
+            lse = tl.load(LSE + offs_m)
+            delta = tl.load(DELTA + offs_m)
+            c_q = tl.load(C + (p_seq + offs_m).to(tl.int64) * stride_ct)
         q_row = (c_q - anchor).to(tl.float32) * 1.4426950408889634 - lse
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale + q_row[None, :] - k_bias[:, None]
         if MASKED:
@@ -346,10 +352,16 @@ def _bwd_kv_kernel(Q, K, V, C, DO, LSE, DELTA, DK, DV, DC, CU_SEQLENS, SEQ_START
             end = tl.minimum(end, seq_q)
         dk, dv, dc = _bwd_kv_inner(dk, dv, dc, k, v, k_bias, Q_h, DO_h, C_h, LSE + row, DELTA + row, stride_qt,
                                    stride_dot, stride_ct, anchor, offs_n, p_seq, seq_q, qk_scale, lo,
-                                   tl.minimum(mid, end), offs_d, HEAD_DIM, BLOCK_D, BLOCK_M, True, DOT_PRECISION)
+                                   tl.minimum(mid, end), offs_d, HEAD_DIM, BLOCK_D, BLOCK_M, True, True, DOT_PRECISION)
+        # Whole query blocks past the diagonal with no mask at all (most of the work: masks on rows cost a predicate
+        # per element and block vectorized loads when seq_q comes from cu_seqlens), then the partial last block.
+        full_end = tl.maximum(mid, tl.minimum(end, seq_q // BLOCK_M * BLOCK_M))
         dk, dv, dc = _bwd_kv_inner(dk, dv, dc, k, v, k_bias, Q_h, DO_h, C_h, LSE + row, DELTA + row, stride_qt,
-                                   stride_dot, stride_ct, anchor, offs_n, p_seq, seq_q, qk_scale, mid, end, offs_d,
-                                   HEAD_DIM, BLOCK_D, BLOCK_M, False, DOT_PRECISION)
+                                   stride_dot, stride_ct, anchor, offs_n, p_seq, seq_q, qk_scale, mid, full_end, offs_d,
+                                   HEAD_DIM, BLOCK_D, BLOCK_M, False, False, DOT_PRECISION)
+        dk, dv, dc = _bwd_kv_inner(dk, dv, dc, k, v, k_bias, Q_h, DO_h, C_h, LSE + row, DELTA + row, stride_qt,
+                                   stride_dot, stride_ct, anchor, offs_n, p_seq, seq_q, qk_scale, full_end, end, offs_d,
+                                   HEAD_DIM, BLOCK_D, BLOCK_M, False, True, DOT_PRECISION)
         # dL/dc_j = -sum_i dS_ij; this program is the only owner of these keys, so no atomics.
         tl.store(DC + (batch * num_heads + h) * Tk + bos + offs_n, -dc, mask=offs_n < seq_k)
     _store_tile(DK + batch * stride_dkb + bos * stride_dkt + h_kv * stride_dkh, dk * sm_scale, offs_n, seq_k,
@@ -467,7 +479,7 @@ else:
     }
     _BWD_KV_CONFIGS = {
         64: _configs([(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 4), (64, 128, 8, 1), (32, 64, 4, 2)]),
-        128: _configs([(64, 64, 4, 2), (32, 64, 4, 4), (32, 128, 4, 4), (64, 64, 8, 1), (32, 128, 8, 1)]),
+        128: _configs([(64, 64, 4, 2), (32, 64, 4, 4), (64, 64, 8, 1), (32, 128, 8, 1)]),
         256: _configs([(32, 64, 4, 2), (16, 64, 4, 2), (32, 32, 4, 1)]),
     }
     _BWD_Q_CONFIGS = {
