@@ -27,9 +27,10 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "triton", "reference")
 MAX_TRITON_HEAD_DIM = 256
 _warned_reference_on_gpu = False
-# The packed-sequence boundaries checked last, as (weak reference, tensor version, packed length): every layer of a
-# forward passes the same tensor, and reading its values is a device-to-host copy (a sync), so it is checked once.
-_checked_cu_seqlens = (None, -1, -1)
+# The packed-sequence boundaries checked last, as (weak reference, tensor version, packed length, longest sequence):
+# every layer of a forward passes the same tensor, and reading its values is a device-to-host copy (a sync), so it
+# is read once.
+_checked_cu_seqlens = (None, -1, -1, 0)
 
 
 def runs_on_triton(backend, x, has_triton, what="the Triton kernel", max_head_dim=MAX_TRITON_HEAD_DIM):
@@ -99,8 +100,7 @@ def _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start):
         if seq_start is not None:
             raise ValueError("`seq_start` (left padding) cannot be combined with `cu_seqlens`: packed batches "
                              "have no padding.")
-        if not _was_checked(cu_seqlens, Tq):
-            packed_sequence_lengths(cu_seqlens, Tq)
+        _longest_packed_sequence(cu_seqlens, Tq)
     if seq_start is not None:
         if seq_start.dim() != 1 or seq_start.shape[0] != B or seq_start.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"`seq_start` must be a 1-D int tensor of length batch={B}, got {_describe(seq_start)}.")
@@ -117,13 +117,17 @@ def packed_sequence_lengths(cu_seqlens, total):
     if bounds[0] != 0 or bounds[-1] != total or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
         raise ValueError(f"`cu_seqlens` must start at 0, be non-decreasing and end at the packed length {total}, "
                          f"got {bounds}.")
-    _checked_cu_seqlens = (weakref.ref(cu_seqlens), cu_seqlens._version, total)
-    return [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    _checked_cu_seqlens = (weakref.ref(cu_seqlens), cu_seqlens._version, total, max(lengths))
+    return lengths
 
 
-def _was_checked(cu_seqlens, total):
-    ref, version, checked_total = _checked_cu_seqlens
-    return ref is not None and ref() is cu_seqlens and version == cu_seqlens._version and checked_total == total
+def _longest_packed_sequence(cu_seqlens, total):
+    """The longest packed sequence, from `packed_sequence_lengths` unless this very tensor, unchanged, was read last."""
+    ref, version, checked_total, longest = _checked_cu_seqlens
+    if ref is not None and ref() is cu_seqlens and version == cu_seqlens._version and checked_total == total:
+        return longest
+    return max(packed_sequence_lengths(cu_seqlens, total))
 
 
 def _describe(x):
@@ -158,7 +162,7 @@ def forgetting_attention(
         fgate_cumsum: alternatively, `c` itself (batch, k_len, query_heads) float32, as a cache keeps it.
         sm_scale: multiplies q.k only (default 1/sqrt(head_dim)); the decay bias is added unscaled.
         cu_seqlens: (num_seqs + 1,) int boundaries of sequences packed along dim 1 (batch must be 1).
-        max_seqlen: longest packed sequence (a launch hint).
+        max_seqlen: longest packed sequence (a launch hint; taken from `cu_seqlens` when omitted).
         seq_start: (batch,) int, left padding: keys before `seq_start[b]` are ignored and their gates unused.
             Right padding needs nothing: causal queries never see later positions.
         backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
@@ -173,6 +177,8 @@ def forgetting_attention(
         (batch, q_len, query_heads, head_dim) in the dtype of `q`.
     """
     _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start)
+    if cu_seqlens is not None and max_seqlen is None:
+        max_seqlen = _longest_packed_sequence(cu_seqlens, q.shape[1])  # read by the check: no second sync
     has_triton = triton_attention_forward is not None
     on_triton = runs_on_triton(backend, q, has_triton)
     if q.is_cuda and not on_triton:

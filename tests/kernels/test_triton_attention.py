@@ -109,6 +109,18 @@ def test_varlen_with_length_one_sequences(backend):
     check_against_naive(inputs, backend=backend, cu_seqlens=cu_seqlens, max_seqlen=31)
 
 
+def test_packed_launch_without_max_seqlen_takes_the_longest_sequence_from_the_checked_boundaries(monkeypatch):
+    from foxlm.kernels import interface
+
+    launches = []
+    forward = interface.triton_attention_forward
+    monkeypatch.setattr(interface, "triton_attention_forward", lambda *args: launches.append(args[6]) or forward(*args))
+    cu_seqlens = torch.tensor([0, 1, 18, 19, 20, 51, 70], device=DEVICE, dtype=torch.int32)
+    q, k, v, log_fgate = make_inputs(1, 70, 70, 4, 2, 16)
+    forgetting_attention(q, k, v, log_fgate, cu_seqlens=cu_seqlens, backend="triton")
+    assert launches == [31]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_left_padding_is_ignored(backend):
     seq_start = torch.tensor([0, 13, 40], device=DEVICE)
