@@ -156,8 +156,7 @@ def add_convert_commands(commands):
 def documents_for_eval(args, tokenizer, length):
     """Evaluation token id lists: `--data stdlib` (held-out standard library files, packed into `length`-token
     documents), a glob of text files or a `datasets` name (one document each, longest first; `--pack` packs them)."""
-    from foxlm.data import evenly_spaced, held_out_stdlib_documents, pack_into_blocks, read_texts, text_files
-    from foxlm.data import tokenize_documents
+    from foxlm.data import held_out_stdlib_documents, packed_documents, read_texts, text_files, tokenize_documents
 
     if args.data == "stdlib":
         return held_out_stdlib_documents(tokenizer, length, args.num_docs)
@@ -167,15 +166,13 @@ def documents_for_eval(args, tokenizer, length):
         from datasets import load_dataset
 
         texts = load_dataset(args.data, split=args.split)[args.text_column]
-    # No BOS: EOS alone separates packed documents. No EOS on unpacked ones: predicting a document's end is not what
-    # the curve measures, and it spikes the tail.
     if args.pack:
-        documents = tokenize_documents(tokenizer, texts, add_bos=False)
         try:
-            return evenly_spaced(pack_into_blocks(documents, length).tolist(), args.num_docs)
+            return packed_documents(tokenizer, texts, length, args.num_docs)
         except ValueError as error:
             sys.exit(f"error: --data {args.data}: {error}; lower the length or add documents.")
     texts = sorted(texts, key=len, reverse=True)[: args.num_docs]  # the longest reach furthest
+    # No EOS on unpacked documents: predicting a document's end is not what the curve measures, and it spikes the tail.
     return tokenize_documents(tokenizer, texts, add_bos=False, add_eos=False)
 
 

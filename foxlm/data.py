@@ -139,9 +139,14 @@ def evenly_spaced(items, count):
     return [items[int(i * step)] for i in range(count)]
 
 
+def packed_documents(tokenizer, texts, length, num_docs=None):
+    """Documents of exactly `length` tokens: the texts tokenized with EOS after each (no BOS: EOS alone separates
+    them), concatenated and cut into blocks, at most `num_docs` of them spread over the stream."""
+    documents = tokenize_documents(tokenizer, texts, add_bos=False)
+    return evenly_spaced(pack_into_blocks(documents, length).tolist(), num_docs)
+
+
 def held_out_stdlib_documents(tokenizer, length, num_docs=None):
     """Evaluation documents of exactly `length` tokens from the held-out standard library files (packed, EOS between
     files), at most `num_docs` of them spread over the corpus."""
-    held_out = stdlib_split()[1]
-    documents = tokenize_documents(tokenizer, read_texts(held_out), add_bos=False)
-    return evenly_spaced(pack_into_blocks(documents, length).tolist(), num_docs)
+    return packed_documents(tokenizer, read_texts(stdlib_split()[1]), length, num_docs)
