@@ -8,7 +8,8 @@ code that runs. Spill bytes are the per-thread local memory (spilled registers).
 unmasked inner loop, where nearly all iterations run: its SASS instructions per iteration, and how many of them are
 local-memory loads and stores (spill traffic where it costs). "wgmma serialized" gives ptxas's warning codes when it
 found a reason to wait for every tensor-core instruction before the next (C7515, C7512), which costs the overlap of
-the softmax with the matrix products. Candidates for the autotune lists can be screened here before spending device time.
+the softmax with the matrix products. Candidates for the autotune lists can be screened here before spending device
+time.
 
     python benchmarks/kernel_resources.py [--arch 90] [--head-dim 64 128] [--kernels fwd dq dkdv] [--prune]
         [--first-only] [--layout dense|packed|padded]

@@ -1,10 +1,10 @@
 """Time every candidate launch configuration of the attention kernels on this GPU, to choose their autotune lists.
 
 For D = 64 and 128 at T = 16k (B*T = 16k tokens, hidden 2048, bf16), the autotune lists of the forward, dQ and
-dK/dV kernels are replaced by the candidates below (the current lists first, then configurations that
-`kernel_resources.py` found to spill less), one forward+backward autotunes them all, and each kernel's time per
-configuration is printed and written to benchmarks/results/config_sweep_<device>_<date>.json, beside the tuned
-forward+backward time and SDPA-cuDNN's; the winners are first checked against float64 at T = 2k. The winners then belong first in the lists of
+dK/dV kernels are extended with the candidates below (screen new ones with `kernel_resources.py` first), one
+forward+backward autotunes them all, and each kernel's time per configuration is printed and written to
+benchmarks/results/config_sweep_<device>_<date-time>.json, beside the tuned forward+backward time and SDPA-cuDNN's;
+the winners are first checked against float64 at T = 2k. The winners then belong first in the lists of
 foxlm/kernels/triton_attention.py (FOXLM_AUTOTUNE=0 takes the first alone).
 
     python benchmarks/sweep_attention_configs.py [--out DIR]
@@ -26,7 +26,8 @@ from run_record import RESULTS_DIR, new_record, record_path, write_record  # noq
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) beyond the autotune lists (those already listed are skipped).
 CANDIDATES = {
-    "fwd": (ta._fwd, ta._FWD_CONFIGS, {64: [(128, 64, 8, 3), (128, 32, 4, 3)], 128: [(128, 128, 8, 3), (64, 64, 4, 3)]}),
+    "fwd": (ta._fwd, ta._FWD_CONFIGS, {64: [(128, 64, 8, 3), (128, 32, 4, 3)],
+                                        128: [(128, 128, 8, 3), (64, 64, 4, 3)]}),
     "dq": (ta._bwd_q, ta._BWD_Q_CONFIGS, {64: [(64, 32, 4, 3), (64, 128, 8, 2), (128, 64, 4, 3)],
                                           128: [(64, 32, 4, 2), (128, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2)]}),
     "dkdv": (ta._bwd_kv, ta._BWD_KV_CONFIGS, {
