@@ -1,13 +1,16 @@
 """The record every benchmark writes: one JSON file per run, `<kind>_<device>_<UTC date-time>.json` in
-benchmarks/results (or `--out`), that starts with what the run measured on: the device, the software versions and,
-from a git checkout, the foxlm commit (marked `-dirty` with uncommitted changes)."""
+benchmarks/results (or `--out`), that starts with what the run measured on: the device, the software versions, a
+digest of the foxlm sources that ran and, from a git checkout, the foxlm commit (marked `-dirty` with uncommitted
+changes). The digest identifies the code even where the commit cannot: a copied tree may carry a stale `.git`."""
 
 import datetime
+import hashlib
 import importlib.metadata
 import json
 import os
 import platform
 import subprocess
+from pathlib import Path
 
 import torch
 
@@ -28,6 +31,7 @@ def new_record(**fields):
             record[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             pass
+    record["foxlm_source_sha256"] = _foxlm_source_digest()
     commit = _foxlm_commit()
     if commit:
         record["foxlm_commit"] = commit
@@ -50,11 +54,23 @@ def write_record(path, record):
     os.replace(partial, path)
 
 
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _foxlm_source_digest():
+    """sha256 of the package's Python files (paths and contents), the first 16 hex digits."""
+    package = Path(CHECKOUT) / "foxlm"
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _foxlm_commit():
-    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         def git(*args):
-            return subprocess.run(["git", *args], cwd=checkout, capture_output=True, text=True, timeout=10,
+            return subprocess.run(["git", *args], cwd=CHECKOUT, capture_output=True, text=True, timeout=10,
                                   check=True).stdout.strip()
 
         commit = git("rev-parse", "--short", "HEAD")

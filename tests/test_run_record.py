@@ -15,6 +15,7 @@ def test_a_record_names_its_device_software_and_commit_and_is_written_whole(tmp_
     record = run_record.new_record(rows=[1, 2])
     assert record["device"] == "cpu" and record["rows"] == [1, 2]
     assert {"date", "python", "torch", "transformers"} <= set(record)
+    assert len(record["foxlm_source_sha256"]) == 16 and int(record["foxlm_source_sha256"], 16) >= 0
     checkout = RUN_RECORD.parents[1]
     if shutil.which("git") and (checkout / ".git").exists():
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True,
