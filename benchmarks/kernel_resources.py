@@ -67,6 +67,8 @@ def launch_arguments(fn, head_dim, seqlen=16384, hidden=2048, group=1):
             values[name] = heads
         elif name == "group":
             values[name] = group
+        elif name == "tune_seqlen":
+            values[name] = ta._tune_seqlen(seqlen)
     return values
 
 

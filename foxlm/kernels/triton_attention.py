@@ -186,7 +186,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, stride_ct, ancho
 def _fwd_kernel(Q, K, V, C, O, LSE, CU_SEQLENS, SEQ_START, BOUND, PRUNED,
                 stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 stride_ob, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_ub, stride_uh,
-                Tq, Tk, max_seqlen_q, num_heads, group, qk_scale, log_eps,
+                Tq, Tk, max_seqlen_q, num_heads, group, tune_seqlen, qk_scale, log_eps,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
                 HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
                 COUNT_PRUNED: tl.constexpr, SEARCH_WIDTH: tl.constexpr, HEAD_GROUP: tl.constexpr,
@@ -303,7 +303,7 @@ def _bwd_kv_kernel(Q, K, V, C, DO, LSE, DELTA, DK, DV, DC, CU_SEQLENS, SEQ_START
                    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh,
                    stride_dvb, stride_dvt, stride_dvh, stride_cb, stride_ct, stride_ch, stride_ub, stride_uh,
-                   Tq, Tk, max_seqlen_k, num_heads, group, qk_scale, sm_scale, log_eps,
+                   Tq, Tk, max_seqlen_k, num_heads, group, tune_seqlen, qk_scale, sm_scale, log_eps,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
                    HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
                    SEARCH_WIDTH: tl.constexpr, HEAD_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -394,7 +394,7 @@ def _bwd_q_kernel(Q, K, V, C, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, SEQ_STA
                   stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
                   stride_cb, stride_ct, stride_ch, stride_ub, stride_uh,
-                  Tq, Tk, max_seqlen_q, num_heads, group, qk_scale, sm_scale, log_eps,
+                  Tq, Tk, max_seqlen_q, num_heads, group, tune_seqlen, qk_scale, sm_scale, log_eps,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
                   HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
                   SEARCH_WIDTH: tl.constexpr, HEAD_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -454,12 +454,12 @@ def _bwd_q_kernel(Q, K, V, C, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, SEQ_STA
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) by padded head dim, the best measured on an H100
-# first (FOXLM_AUTOTUNE=0 takes it alone), then the other timed ones; dK/dV also tries two untimed configurations
-# that spill less than the timed ones on sm_90 (`benchmarks/kernel_resources.py`). Autotuned once per (head dim,
-# GQA group, flags, dtypes); pruned and unpruned launches share the choice, so that pruning nothing is bit-identical
-# to not pruning. Configurations whose pipelined tiles do not fit the device's shared memory are dropped first, so
-# that GPUs with ~100 KB per block (Ada, consumer Blackwell) get smaller tiles instead of an error.
+# Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) by padded head dim, the fastest on an H100 at
+# T = 4k and 16k first (`benchmarks/sweep_attention_configs.py`; FOXLM_AUTOTUNE=0 takes it alone), then the runners-up.
+# Autotuned once per (head dim, GQA group, flags, length class `_tune_seqlen`); pruned and unpruned launches share the
+# choice, so that pruning nothing is bit-identical to not pruning. Configurations whose pipelined tiles do not fit the
+# device's shared memory are dropped first, so that GPUs with ~100 KB per block (Ada, consumer Blackwell) get smaller
+# tiles instead of an error.
 
 
 def _configs(entries):
@@ -473,18 +473,18 @@ if _INTERPRET:
     _BWD_Q_CONFIGS = {0: _configs([(32, 16, 4, 1)])}
 else:
     _FWD_CONFIGS = {
-        64: _configs([(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)]),
-        128: _configs([(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3)]),
+        64: _configs([(128, 64, 4, 3), (128, 64, 4, 4), (128, 32, 4, 3)]),
+        128: _configs([(128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)]),
         256: _configs([(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)]),
     }
     _BWD_KV_CONFIGS = {
-        64: _configs([(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 4), (64, 128, 8, 1), (32, 64, 4, 2)]),
-        128: _configs([(64, 64, 4, 2), (32, 64, 4, 4), (64, 64, 8, 1), (32, 128, 8, 1)]),
+        64: _configs([(32, 128, 4, 3), (32, 128, 4, 2), (64, 64, 4, 4), (32, 64, 4, 2)]),
+        128: _configs([(32, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 2), (32, 64, 4, 2)]),
         256: _configs([(32, 64, 4, 2), (16, 64, 4, 2), (32, 32, 4, 1)]),
     }
     _BWD_Q_CONFIGS = {
-        64: _configs([(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 5)]),
-        128: _configs([(64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 4)]),
+        64: _configs([(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3)]),
+        128: _configs([(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)]),
         256: _configs([(64, 32, 4, 2), (64, 16, 4, 2), (32, 32, 4, 1)]),
     }
 _FALLBACK = _configs([(16, 16, 4, 1)])
@@ -509,7 +509,7 @@ def _pruner(table, tile_elements):
 
 def _autotuned(kernel, table, tile_elements):
     configs = [c for entries in table.values() for c in entries] + _FALLBACK
-    return triton.autotune(configs, key=["BLOCK_D", "group", "HAS_SEQ_START", "IS_VARLEN"],
+    return triton.autotune(configs, key=["BLOCK_D", "group", "HAS_SEQ_START", "IS_VARLEN", "tune_seqlen"],
                            prune_configs_by={"early_config_prune": _pruner(table, tile_elements)})(kernel)
 
 
@@ -525,6 +525,13 @@ _bwd_q = _autotuned(_bwd_q_kernel, _BWD_Q_CONFIGS, lambda m, n, d, stages: 2 * m
 
 def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _tune_seqlen(max_seqlen):
+    """The length class the autotuner keys on: the best tiles differ between short and long sequences, and one
+    process may run both (a benchmark, prefill then training). Powers of two from 1k to 16k, so that a new length
+    retunes at most five times per head dim; all of them divisible by 16, so the compiled code does not change."""
+    return min(max(triton.next_power_of_2(max(int(max_seqlen), 1)), 1024), 16384)
 
 
 def _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
@@ -548,7 +555,7 @@ def _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
         bound = score_bound.to(device=q.device, dtype=torch.float32).expand(B, Hq)
     return dict(
         n_seqs=n_seqs, max_q=max_q, max_k=max_k, cu_seqlens=cu_seqlens, seq_start=seq_start,
-        block_d=max(16, triton.next_power_of_2(D)), group=Hq // k.shape[2],
+        block_d=max(16, triton.next_power_of_2(D)), group=Hq // k.shape[2], tune_seqlen=_tune_seqlen(max_k),
         dot_precision="ieee" if q.dtype == torch.float32 else "tf32",
         bound=bound, bound_strides=bound.stride(),
         log_eps=0.0 if prune_eps is None else math.log(prune_eps),
@@ -576,7 +583,8 @@ def triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens=None, max_seqlen=N
         q, k, v, c, out, lse, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
         q.new_empty((1,), dtype=torch.int32) if pruned_counts is None else pruned_counts,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], c.stride(0), c.stride(2), c.stride(1),
-        *cfg["bound_strides"], Tq, Tk, cfg["max_q"], Hq, cfg["group"], sm_scale * LOG2E, cfg["log_eps"],
+        *cfg["bound_strides"], Tq, Tk, cfg["max_q"], Hq, cfg["group"], cfg["tune_seqlen"], sm_scale * LOG2E,
+        cfg["log_eps"],
         HEAD_DIM=D, BLOCK_D=cfg["block_d"], IS_VARLEN=cu_seqlens is not None,
         HAS_SEQ_START=seq_start is not None, DOT_PRECISION=cfg["dot_precision"], PRUNE=prune_eps is not None,
         COUNT_PRUNED=pruned_counts is not None, SEARCH_WIDTH=SEARCH_WIDTH, HEAD_GROUP=cfg["head_group"],
@@ -612,7 +620,8 @@ def triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens=Non
     _bwd_q[grid_q](
         q, k, v, c, do, lse, delta, dq, delta_err, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *c_strides,
-        *cfg["bound_strides"], Tq, Tk, cfg["max_q"], Hq, cfg["group"], sm_scale * LOG2E, sm_scale, cfg["log_eps"],
+        *cfg["bound_strides"], Tq, Tk, cfg["max_q"], Hq, cfg["group"], cfg["tune_seqlen"], sm_scale * LOG2E,
+        sm_scale, cfg["log_eps"],
         **common,
     )
     delta += delta_err
@@ -620,8 +629,8 @@ def triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens=Non
     _bwd_kv[grid_kv](
         q, k, v, c, do, lse, delta, dk, dv, dc, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-        *c_strides, *cfg["bound_strides"], Tq, Tk, cfg["max_k"], Hq, cfg["group"], sm_scale * LOG2E, sm_scale,
-        cfg["log_eps"], **common,
+        *c_strides, *cfg["bound_strides"], Tq, Tk, cfg["max_k"], Hq, cfg["group"], cfg["tune_seqlen"],
+        sm_scale * LOG2E, sm_scale, cfg["log_eps"], **common,
     )
     return dq, dk, dv, dc
 

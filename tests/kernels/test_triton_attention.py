@@ -194,6 +194,20 @@ def test_backward_is_deterministic():
         assert torch.equal(x, y)
 
 
+
+def test_autotuning_keys_on_the_length_class():
+    from foxlm.kernels import triton_attention as ta
+
+    # Powers of two from 1k to 16k: a process that runs several lengths retunes a few times, not at every length.
+    lengths = (0, 1, 40, 1024, 1025, 5000, 16384, 16385, 100_000)
+    assert [ta._tune_seqlen(n) for n in lengths] == [1024, 1024, 1024, 1024, 2048, 8192, 16384, 16384, 16384]
+    inputs = make_inputs(1, 40, 40, 2, 2, 16)
+    grad_out = torch.randn(1, 40, 2, 16, device=DEVICE)
+    outputs_and_grads(lambda *a: forgetting_attention(*a, backend="triton"), inputs, grad_out)
+    for tuner in (ta._fwd, ta._bwd_q, ta._bwd_kv):
+        position = tuner.keys.index("tune_seqlen")
+        assert 1024 in {key[position] for key in tuner.cache}
+
 def test_torch_compile_sees_one_op_without_graph_breaks():
     q, k, v, log_fgate = make_inputs(1, 24, 24, 2, 1, 16)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, log_fgate)]
