@@ -46,9 +46,9 @@ def config_times(tuner):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=RESULTS_DIR)
+    parser.add_argument("--out", default=RESULTS_DIR, help="folder for the JSON record (default: %(default)s)")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[16384],
-                        help="sequence lengths to tune at (each retunes: the autotune keys do not include T)")
+                        help="sequence lengths to sweep at, each timed afresh (default: 16384)")
     args = parser.parse_args()
     for _, table, extra in CANDIDATES.values():
         for head_dim, entries in extra.items():
