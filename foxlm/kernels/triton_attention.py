@@ -456,10 +456,10 @@ def _bwd_q_kernel(Q, K, V, C, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, SEQ_STA
 # ----------------------------------------------------------------------------------------------------------------
 # Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) by padded head dim, the fastest on an H100 at
 # T = 4k and 16k first (`benchmarks/sweep_attention_configs.py`; FOXLM_AUTOTUNE=0 takes it alone), then the runners-up.
-# Autotuned once per (head dim, GQA group, flags, length class `_tune_seqlen`); pruned and unpruned launches share the
-# choice, so that pruning nothing is bit-identical to not pruning. Configurations whose pipelined tiles do not fit the
-# device's shared memory are dropped first, so that GPUs with ~100 KB per block (Ada, consumer Blackwell) get smaller
-# tiles instead of an error.
+# Autotuned once per (head dim, GQA group, flags, length class): `tune_seqlen`, a kernel argument only the autotuner
+# reads (`_tune_seqlen`). Pruned and unpruned launches share the choice, so that pruning nothing is bit-identical to
+# not pruning. Configurations whose pipelined tiles do not fit the device's shared memory are dropped first, so that
+# GPUs with ~100 KB per block (Ada, consumer Blackwell) get smaller tiles instead of an error.
 
 
 def _configs(entries):
