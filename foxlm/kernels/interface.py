@@ -59,6 +59,9 @@ def on_device_of(x):
 
 
 def _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start):
+    """Raises ValueError on a bad argument; returns the longest packed sequence (None without `cu_seqlens`), which
+    checking the boundaries reads anyway."""
+    longest = None
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"`{name}` must be a 4-D tensor (batch, seqlen, heads, head_dim), got {_describe(t)}.")
@@ -100,12 +103,13 @@ def _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start):
         if seq_start is not None:
             raise ValueError("`seq_start` (left padding) cannot be combined with `cu_seqlens`: packed batches "
                              "have no padding.")
-        _longest_packed_sequence(cu_seqlens, Tq)
+        longest = _longest_packed_sequence(cu_seqlens, Tq)
     if seq_start is not None:
         if seq_start.dim() != 1 or seq_start.shape[0] != B or seq_start.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"`seq_start` must be a 1-D int tensor of length batch={B}, got {_describe(seq_start)}.")
         if seq_start.device != q.device:
             raise ValueError(f"`seq_start` is on {seq_start.device} but `q` is on {q.device}.")
+    return longest
 
 
 def packed_sequence_lengths(cu_seqlens, total):
@@ -176,9 +180,9 @@ def forgetting_attention(
     Returns:
         (batch, q_len, query_heads, head_dim) in the dtype of `q`.
     """
-    _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start)
-    if cu_seqlens is not None and max_seqlen is None:
-        max_seqlen = _longest_packed_sequence(cu_seqlens, q.shape[1])  # read by the check: no second sync
+    longest_packed = _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start)
+    if max_seqlen is None:
+        max_seqlen = longest_packed  # read by the check: no second sync
     has_triton = triton_attention_forward is not None
     on_triton = runs_on_triton(backend, q, has_triton)
     if q.is_cuda and not on_triton:

@@ -194,7 +194,6 @@ def test_backward_is_deterministic():
         assert torch.equal(x, y)
 
 
-
 def test_autotuning_keys_on_the_length_class():
     from foxlm.kernels import triton_attention as ta
 
@@ -207,6 +206,7 @@ def test_autotuning_keys_on_the_length_class():
     for tuner in (ta._fwd, ta._bwd_q, ta._bwd_kv):
         position = tuner.keys.index("tune_seqlen")
         assert 1024 in {key[position] for key in tuner.cache}
+
 
 def test_torch_compile_sees_one_op_without_graph_breaks():
     q, k, v, log_fgate = make_inputs(1, 24, 24, 2, 1, 16)
