@@ -38,9 +38,9 @@ KERNELS = {  # name: (jit function, autotune table)
     "dq": (ta._bwd_q_kernel, ta._BWD_Q_CONFIGS),
     "dkdv": (ta._bwd_kv_kernel, ta._BWD_KV_CONFIGS),
 }
-POINTER_DTYPES = {"C": torch.float64, "LSE": torch.float32, "DELTA": torch.float32, "DELTA_ERR": torch.float32,
-                  "DC": torch.float32, "BOUND": torch.float32, "CU_SEQLENS": torch.int32, "SEQ_START": torch.int32,
-                  "PRUNED": torch.int32}  # the rest (q, k, v, o and their gradients) bf16
+POINTER_DTYPES = {"C": torch.float64, "C_SEG": torch.float32, "LSE": torch.float32, "DELTA": torch.float32,
+                  "DELTA_ERR": torch.float32, "DC": torch.float32, "BOUND": torch.float32, "CU_SEQLENS": torch.int32,
+                  "SEQ_START": torch.int32, "PRUNED": torch.int32}  # the rest (q, k, v, o and their gradients) bf16
 FLOAT_ARGS = {"qk_scale": 0.125 * 1.4427, "sm_scale": 0.125, "log_eps": -10.0}
 
 
@@ -168,6 +168,8 @@ def main():
                                       **config.kwargs)
                     if "COUNT_PRUNED" in fn.arg_names:
                         constexprs["COUNT_PRUNED"] = False
+                    if "SEGMENT" in fn.arg_names:
+                        constexprs["SEGMENT"] = ta.SEGMENT
                     compiled = compile_kernel(fn, constexprs, config.num_warps, config.num_stages, args.arch)
                     usage, loop = resource_usage(compiled), main_loop(compiled)
                     print(f"| {name} | {head_dim} | {config.kwargs['BLOCK_M']} x {config.kwargs['BLOCK_N']} | "

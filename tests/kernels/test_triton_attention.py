@@ -208,6 +208,22 @@ def test_autotuning_keys_on_the_length_class():
         assert 1024 in {key[position] for key in tuner.cache}
 
 
+@pytest.mark.parametrize("cu_seqlens", [None, [0, 5, 5, 70, 100]])
+def test_segment_biases_restart_at_each_segment_of_each_sequence(cu_seqlens):
+    from foxlm.kernels import triton_attention as ta
+
+    c = torch.randn(2 if cu_seqlens is None else 1, 3, 100, dtype=torch.float64).cumsum(-1) * 50
+    bounds = [0, 100] if cu_seqlens is None else cu_seqlens
+    bounds_tensor = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32)
+    got = ta._segment_bias(c, bounds_tensor)
+    assert got.dtype == torch.float32
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        for t in range(start, end):
+            first = start + (t - start) // ta.SEGMENT * ta.SEGMENT
+            want = ((c[..., t] - c[..., first]) * math.log2(math.e)).float()
+            torch.testing.assert_close(got[..., t], want, rtol=0, atol=0)
+
+
 def test_torch_compile_sees_one_op_without_graph_breaks():
     q, k, v, log_fgate = make_inputs(1, 24, 24, 2, 1, 16)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, log_fgate)]
