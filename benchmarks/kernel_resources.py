@@ -152,6 +152,8 @@ def main():
     parser.add_argument("--first-only", action="store_true", help="only the first (default) configuration per list")
     parser.add_argument("--layout", choices=["dense", "packed", "padded"], default="dense",
                         help="the kernel variant: equal-length sequences, packed ones (cu_seqlens) or left-padded ones")
+    parser.add_argument("--loads", choices=["tma", "pointers"], default="tma",
+                        help="how the forward and dQ loops load K/V tiles: TMA descriptors (Hopper and newer) or pointers")
     args = parser.parse_args()
     print("| kernel | head dim | BLOCK_M x BLOCK_N | warps | stages | prune | registers | spill bytes/thread | "
           "shared KB | main loop instructions (local loads+stores) | wgmma serialized |")
@@ -170,6 +172,8 @@ def main():
                         constexprs["COUNT_PRUNED"] = False
                     if "SEGMENT" in fn.arg_names:
                         constexprs["SEGMENT"] = ta.SEGMENT
+                    if "USE_TMA" in fn.arg_names:
+                        constexprs["USE_TMA"] = args.loads == "tma"
                     compiled = compile_kernel(fn, constexprs, config.num_warps, config.num_stages, args.arch)
                     usage, loop = resource_usage(compiled), main_loop(compiled)
                     print(f"| {name} | {head_dim} | {config.kwargs['BLOCK_M']} x {config.kwargs['BLOCK_N']} | "

@@ -194,6 +194,45 @@ def test_backward_is_deterministic():
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize(
+    "shape, kwargs",
+    [
+        ((2, 37, 37, 2, 2, 24), {}),  # padded head dim: TMA fills the columns past head_dim with zeros
+        ((2, 19, 53, 4, 2, 16), {}),  # GQA, Tq < Tk
+        ((3, 45, 45, 2, 1, 16), {"seq_start": [0, 13, 40]}),
+        ((1, 70, 70, 2, 2, 16), {"cu_seqlens": [0, 1, 18, 51, 70], "max_seqlen": 33}),
+        ((1, 64, 64, 2, 2, 16), {"prune_eps": 1e-3}),
+    ],
+)
+def test_tma_and_pointer_loads_give_identical_results(monkeypatch, shape, kwargs):
+    from foxlm.kernels import triton_attention as ta
+
+    kwargs = {name: torch.tensor(value, device=DEVICE, dtype=torch.int32) if isinstance(value, list) else value
+              for name, value in kwargs.items()}
+    inputs = make_inputs(*shape, gate_scale=4.0)
+    grad_out = torch.randn(*shape[:2], shape[3], shape[5], device=DEVICE)
+    uses = []
+    monkeypatch.setattr(ta, "_use_tma", lambda *t, use=ta._use_tma: uses.append(use(*t)) or uses[-1])
+    run = lambda *a: forgetting_attention(*a, backend="triton", **kwargs)  # noqa: E731
+    with_tma = outputs_and_grads(run, inputs, grad_out)
+    monkeypatch.setattr(ta, "TMA_LOADS", False)
+    with_pointers = outputs_and_grads(run, inputs, grad_out)
+    assert uses == [True, True, False, False]
+    for x, y in zip(with_tma, with_pointers):
+        assert torch.equal(x, y)
+
+
+def test_tma_loads_only_for_16_byte_aligned_rows():
+    from foxlm.kernels import triton_attention as ta
+
+    buffer = torch.randn(300, device=DEVICE, dtype=torch.float16)
+    q = buffer[:256].view(1, 8, 2, 16)
+    assert ta._use_tma(q) == (ta._INTERPRET or torch.cuda.get_device_capability(q.device)[0] >= 9)
+    assert not ta._use_tma(buffer[4:260].view(1, 8, 2, 16))  # starts 8 bytes past an aligned address
+    assert not ta._use_tma(torch.randn(1, 8, 2, 20, device=DEVICE, dtype=torch.float16))  # 40-byte rows
+    assert not ta._use_tma(q[..., :12])  # 24-byte rows
+
+
 def test_autotuning_keys_on_the_length_class():
     from foxlm.kernels import triton_attention as ta
 
