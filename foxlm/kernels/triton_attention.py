@@ -37,7 +37,11 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import _allocation
+
+try:  # the scratch allocator of in-kernel TMA descriptors (older Triton has neither)
+    from triton.runtime import _allocation
+except ImportError:
+    _allocation = None
 
 LOG2E = 1.4426950408889634
 # Candidates per round of the pruning boundary search: 32^2 blocks (64k keys at 64-key blocks) in two rounds.
@@ -598,10 +602,11 @@ def _tune_seqlen(max_seqlen):
 
 def _use_tma(*tensors):
     """Whether the main loops load their tiles through TMA descriptors (`_row_tiles`): on Hopper and newer GPUs (and
-    in the interpreter), when every row of these (batch, seqlen, heads, head_dim) tensors starts at a multiple of 16
-    bytes, as TMA requires. The descriptors live in a per-launch scratch buffer, which Triton takes from the allocator
-    of `triton.set_allocator`: a torch one is set here unless the user set their own."""
-    if not TMA_LOADS:
+    in the interpreter) with a Triton that makes them in kernels (`tl.make_tensor_descriptor`), when every row of
+    these (batch, seqlen, heads, head_dim) tensors starts at a multiple of 16 bytes, as TMA requires. The descriptors
+    live in a per-launch scratch buffer, which Triton takes from the allocator of `triton.set_allocator`: a torch one
+    is set here unless the user set their own."""
+    if not TMA_LOADS or _allocation is None or not hasattr(tl, "make_tensor_descriptor"):
         return False
     if not _INTERPRET and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
         return False

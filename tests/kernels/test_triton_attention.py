@@ -222,7 +222,7 @@ def test_tma_and_pointer_loads_give_identical_results(monkeypatch, shape, kwargs
         assert torch.equal(x, y)
 
 
-def test_tma_loads_only_for_16_byte_aligned_rows():
+def test_tma_loads_only_for_16_byte_aligned_rows_and_a_triton_that_makes_descriptors(monkeypatch):
     from foxlm.kernels import triton_attention as ta
 
     buffer = torch.randn(300, device=DEVICE, dtype=torch.float16)
@@ -231,6 +231,8 @@ def test_tma_loads_only_for_16_byte_aligned_rows():
     assert not ta._use_tma(buffer[4:260].view(1, 8, 2, 16))  # starts 8 bytes past an aligned address
     assert not ta._use_tma(torch.randn(1, 8, 2, 20, device=DEVICE, dtype=torch.float16))  # 40-byte rows
     assert not ta._use_tma(q[..., :12])  # 24-byte rows
+    monkeypatch.setattr(ta, "_allocation", None)  # a Triton without in-kernel descriptors takes pointer tiles
+    assert not ta._use_tma(q)
 
 
 def test_autotuning_keys_on_the_length_class():
