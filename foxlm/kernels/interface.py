@@ -18,9 +18,9 @@ from .acp import measured_score_bound, record_pruned_counts, recording_pruned_co
 from .reference import fgate_cumsum_from_log_fgate, forgetting_attention_reference
 
 try:
-    from .triton_attention import triton_attention_backward, triton_attention_forward
+    from .triton_attention import _segment_bias, triton_attention_backward, triton_attention_forward
 except ImportError:  # no Triton (CPU-only torch builds, remote code on such machines)
-    triton_attention_forward = triton_attention_backward = None
+    triton_attention_forward = triton_attention_backward = _segment_bias = None
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def forgetting_attention(
             score_bound = torch.full((), float(score_bound), device=q.device)
         score_bound = score_bound.detach().to(device=q.device, dtype=torch.float32)
     gate_is_cumsum = log_fgate is None
-    out, _, pruned_counts = torch.ops.foxlm.forgetting_attention(
+    out, _, pruned_counts, _, _ = torch.ops.foxlm.forgetting_attention(
         q, k, v, fgate_cumsum if gate_is_cumsum else log_fgate, gate_is_cumsum, sm_scale,
         cu_seqlens, None if max_seqlen is None else int(max_seqlen), seq_start, on_triton,
         float(prune_eps) if prune else None, score_bound if prune else None, prune and recording_pruned_counts(),
@@ -292,21 +292,24 @@ def _forgetting_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, gate_is_cumsum: bool, sm_scale: float,
     cu_seqlens: Optional[torch.Tensor], max_seqlen: Optional[int], seq_start: Optional[torch.Tensor], use_triton: bool,
     prune_eps: Optional[float] = None, score_bound: Optional[torch.Tensor] = None, count_pruned: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (out, lse, pruned_counts); lse (B, Hq, Tq) is the kernel's log2-domain log-sum-exp (unused by the
-    reference); pruned_counts is (B, Hq, Tq, 2) int32 (skipped, visible keys per query) with `count_pruned`,
-    else empty."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (out, lse, pruned_counts, c, key_bias); lse (B, Hq, Tq) is the kernel's log2-domain log-sum-exp
+    (unused by the reference); pruned_counts is (B, Hq, Tq, 2) int32 (skipped, visible keys per query) with
+    `count_pruned`, else empty. c (float64) and key_bias (the kernels' fp32 segment parts of it) are (B, Hq, Tk),
+    kept for the backward so that it does not compute them again; empty on the reference path."""
     counts = q.new_empty(_counts_shape(q, count_pruned), dtype=torch.int32)
     if use_triton:
         c = _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
+        key_bias = _segment_bias(c, cu_seqlens)
         with on_device_of(q):
             out, lse = triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens, max_seqlen, seq_start, prune_eps,
-                                                score_bound, counts if count_pruned else None)
-        return out, lse, counts
+                                                score_bound, counts if count_pruned else None, key_bias=key_bias)
+        return out, lse, counts, c, key_bias
     gates = dict(fgate_cumsum=gate) if gate_is_cumsum else dict(log_fgate=gate)
     out = forgetting_attention_reference(q, k, v, **gates, sm_scale=sm_scale, cu_seqlens=cu_seqlens,
                                          seq_start=seq_start)
-    return out.contiguous(), q.new_zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32), counts.zero_()
+    lse = q.new_zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+    return out.contiguous(), lse, counts.zero_(), gate.new_empty((0,), dtype=torch.float64), lse.new_empty((0,))
 
 
 def _counts_shape(q, count_pruned):
@@ -316,25 +319,29 @@ def _counts_shape(q, count_pruned):
 @_forgetting_attention_op.register_fake
 def _(q, k, v, gate, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start, use_triton, prune_eps=None,
       score_bound=None, count_pruned=False):
+    c_shape = (q.shape[0], q.shape[2], k.shape[1]) if use_triton else (0,)
     return (q.new_empty(q.shape), q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32),
-            q.new_empty(_counts_shape(q, count_pruned), dtype=torch.int32))
+            q.new_empty(_counts_shape(q, count_pruned), dtype=torch.int32), q.new_empty(c_shape, dtype=torch.float64),
+            q.new_empty(c_shape, dtype=torch.float32))
 
 
 @torch.library.custom_op("foxlm::forgetting_attention_backward", mutates_args=())
 def _forgetting_attention_backward_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, gate_is_cumsum: bool, sm_scale: float, cu_seqlens: Optional[torch.Tensor],
-    max_seqlen: Optional[int], seq_start: Optional[torch.Tensor], use_triton: bool,
-    prune_eps: Optional[float] = None, score_bound: Optional[torch.Tensor] = None,
+    lse: torch.Tensor, c: torch.Tensor, key_bias: torch.Tensor, gate_is_cumsum: bool, sm_scale: float,
+    cu_seqlens: Optional[torch.Tensor], max_seqlen: Optional[int], seq_start: Optional[torch.Tensor],
+    use_triton: bool, prune_eps: Optional[float] = None, score_bound: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    c = _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
+    """Gradients of the forward op's inputs; c and key_bias as the forward returned them."""
     if use_triton:
         with on_device_of(q):
             dq, dk, dv, dc = triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens, max_seqlen,
-                                                       seq_start, prune_eps, score_bound)
+                                                       seq_start, prune_eps, score_bound, key_bias=key_bias)
     elif cu_seqlens is None:
+        c = _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
         dq, dk, dv, dc = _reference_backward(do, q, k, v, c, sm_scale, seq_start)
     else:
+        c = _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
         bounds = cu_seqlens.tolist()
         pieces = [_reference_backward(do[:, s:e], q[:, s:e], k[:, s:e], v[:, s:e], c[..., s:e], sm_scale, None)
                   for s, e in zip(bounds[:-1], bounds[1:])]
@@ -344,24 +351,25 @@ def _forgetting_attention_backward_op(
 
 
 @_forgetting_attention_backward_op.register_fake
-def _(do, q, k, v, gate, out, lse, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start, use_triton,
-      prune_eps=None, score_bound=None):
+def _(do, q, k, v, gate, out, lse, c, key_bias, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start,
+      use_triton, prune_eps=None, score_bound=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), gate.new_empty(gate.shape)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, gate, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start, use_triton, *prune = inputs
     prune_eps, score_bound = (prune + [None, None])[:2]
-    ctx.save_for_backward(q, k, v, gate, output[0], output[1], cu_seqlens, seq_start, score_bound)
+    out, lse, _, c, key_bias = output
+    ctx.save_for_backward(q, k, v, gate, out, lse, c, key_bias, cu_seqlens, seq_start, score_bound)
     ctx.args = (gate_is_cumsum, sm_scale, max_seqlen, use_triton, prune_eps)
 
 
-def _backward(ctx, do, _dlse, _dcounts):
-    q, k, v, gate, out, lse, cu_seqlens, seq_start, score_bound = ctx.saved_tensors
+def _backward(ctx, do, _dlse, _dcounts, _dc, _dkey_bias):
+    q, k, v, gate, out, lse, c, key_bias, cu_seqlens, seq_start, score_bound = ctx.saved_tensors
     gate_is_cumsum, sm_scale, max_seqlen, use_triton, prune_eps = ctx.args
     dq, dk, dv, dgate = torch.ops.foxlm.forgetting_attention_backward(
-        do, q, k, v, gate, out, lse, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start, use_triton,
-        prune_eps, score_bound)
+        do, q, k, v, gate, out, lse, c, key_bias, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start,
+        use_triton, prune_eps, score_bound)
     return dq, dk, dv, dgate, None, None, None, None, None, None, None, None, None
 
 

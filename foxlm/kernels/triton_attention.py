@@ -31,6 +31,7 @@ Design (fox-reference.md §3-4):
   SEARCH_WIDTH-ary search over c (one vector load per round, two rounds at 16k), in the forward, dQ and dK/dV passes.
 """
 
+import functools
 import math
 import os
 
@@ -608,7 +609,7 @@ def _use_tma(*tensors):
     is set here unless the user set their own."""
     if not TMA_LOADS or _allocation is None or not hasattr(tl, "make_tensor_descriptor"):
         return False
-    if not _INTERPRET and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+    if not _INTERPRET and _compute_capability(tensors[0].device.index)[0] < 9:
         return False
     if not all(t.data_ptr() % 16 == 0 and all(n * t.element_size() % 16 == 0 for n in (*t.stride()[:-1], t.shape[-1]))
                for t in tensors):
@@ -616,6 +617,11 @@ def _use_tma(*tensors):
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_scratch)
     return True
+
+
+@functools.lru_cache
+def _compute_capability(device_index):
+    return torch.cuda.get_device_capability(device_index)  # a query per call costs host time on every launch
 
 
 def _scratch(size, alignment, stream):
@@ -665,14 +671,15 @@ def _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
 
 
 def triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens=None, max_seqlen=None, seq_start=None,
-                             prune_eps=None, score_bound=None, pruned_counts=None):
+                             prune_eps=None, score_bound=None, pruned_counts=None, key_bias=None):
     """Returns (out (B, Tq, Hq, D), lse (B, Hq, Tq) fp32 in the log2 domain). `c` is the float64 cumsum of log f
     laid out (B, Hq, Tk) with unit stride along Tk. With `prune_eps`, tiles are pruned against `score_bound`
     (U >= |sm_scale q.k|, float32 broadcastable to (B, Hq)); `pruned_counts`, an int32 (B, Hq, Tq, 2) tensor, then
-    receives each query row's (skipped keys, visible keys). The other arguments are those of
-    `forgetting_attention`."""
+    receives each query row's (skipped keys, visible keys). `key_bias`: `_segment_bias(c, cu_seqlens)` if already
+    computed. The other arguments are those of `forgetting_attention`."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     c = c.contiguous()  # the kernels read c and its `_segment_bias` with the same strides
+    key_bias = _segment_bias(c, cu_seqlens) if key_bias is None else key_bias.contiguous()
     B, Tq, Hq, D = q.shape
     Tk = k.shape[1]
     cfg = _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound)
@@ -682,7 +689,7 @@ def triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens=None, max_seqlen=N
         return out.zero_(), lse.fill_(float("inf"))
     grid = lambda meta: (triton.cdiv(cfg["max_q"], meta["BLOCK_M"]) * cfg["n_seqs"] * Hq,)  # noqa: E731
     _fwd[grid](
-        q, k, v, c, _segment_bias(c, cu_seqlens), out, lse, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
+        q, k, v, c, key_bias, out, lse, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
         q.new_empty((1,), dtype=torch.int32) if pruned_counts is None else pruned_counts,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], c.stride(0), c.stride(2), c.stride(1),
         *cfg["bound_strides"], Tq, Tk, cfg["max_q"], Hq, cfg["group"], cfg["tune_seqlen"], sm_scale * LOG2E,
@@ -696,10 +703,11 @@ def triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens=None, max_seqlen=N
 
 
 def triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens=None, max_seqlen=None,
-                              seq_start=None, prune_eps=None, score_bound=None):
-    """Returns (dq, dk, dv, dc) with dc = dL/dc of shape (B, Hq, Tk) in fp32."""
+                              seq_start=None, prune_eps=None, score_bound=None, key_bias=None):
+    """Returns (dq, dk, dv, dc) with dc = dL/dc of shape (B, Hq, Tk) in fp32; `key_bias` as in the forward."""
     q, k, v, out, do = (_last_dim_contiguous(t) for t in (q, k, v, out, do))
     c = c.contiguous()
+    key_bias = _segment_bias(c, cu_seqlens) if key_bias is None else key_bias.contiguous()
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
     cfg = _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound)
@@ -722,8 +730,7 @@ def triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens=Non
     c_strides = (c.stride(0), c.stride(2), c.stride(1))
     grid_q = lambda meta: (triton.cdiv(cfg["max_q"], meta["BLOCK_M"]) * cfg["n_seqs"] * Hq,)  # noqa: E731
     _bwd_q[grid_q](
-        q, k, v, c, _segment_bias(c, cu_seqlens), do, lse, delta, dq, delta_err, cfg["cu_seqlens"],
-        cfg["seq_start"], cfg["bound"],
+        q, k, v, c, key_bias, do, lse, delta, dq, delta_err, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *c_strides,
         *cfg["bound_strides"], Tq, Tk, cfg["max_q"], Hq, cfg["group"], cfg["tune_seqlen"], sm_scale * LOG2E,
         sm_scale, cfg["log_eps"], SEGMENT=SEGMENT, USE_TMA=_use_tma(k, v),

@@ -114,7 +114,8 @@ def test_packed_launch_without_max_seqlen_takes_the_longest_sequence_from_the_ch
 
     launches = []
     forward = interface.triton_attention_forward
-    monkeypatch.setattr(interface, "triton_attention_forward", lambda *args: launches.append(args[6]) or forward(*args))
+    monkeypatch.setattr(interface, "triton_attention_forward",
+                        lambda *args, **kwargs: launches.append(args[6]) or forward(*args, **kwargs))
     cu_seqlens = torch.tensor([0, 1, 18, 19, 20, 51, 70], device=DEVICE, dtype=torch.int32)
     q, k, v, log_fgate = make_inputs(1, 70, 70, 4, 2, 16)
     forgetting_attention(q, k, v, log_fgate, cu_seqlens=cu_seqlens, backend="triton")
@@ -233,6 +234,18 @@ def test_tma_loads_only_for_16_byte_aligned_rows_and_a_triton_that_makes_descrip
     assert not ta._use_tma(q[..., :12])  # 24-byte rows
     monkeypatch.setattr(ta, "_allocation", None)  # a Triton without in-kernel descriptors takes pointer tiles
     assert not ta._use_tma(q)
+
+
+def test_backward_reuses_the_forward_cumsum_and_key_biases(monkeypatch):
+    from foxlm.kernels import interface
+
+    calls = []
+    for name in ("_cumsum_float64", "_segment_bias"):
+        original = getattr(interface, name)
+        monkeypatch.setattr(interface, name, lambda *a, f=original, n=name: calls.append(n) or f(*a))
+    inputs = make_inputs(1, 40, 40, 2, 1, 16)
+    outputs_and_grads(lambda *a: forgetting_attention(*a, backend="triton"), inputs, torch.randn(1, 40, 2, 16))
+    assert calls == ["_cumsum_float64", "_segment_bias"]
 
 
 def test_autotuning_keys_on_the_length_class():
