@@ -337,15 +337,15 @@ def _forgetting_attention_backward_op(
         with on_device_of(q):
             dq, dk, dv, dc = triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens, max_seqlen,
                                                        seq_start, prune_eps, score_bound, key_bias=key_bias)
-    elif cu_seqlens is None:
+    else:  # the reference path returns no c from the forward
         c = _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
-        dq, dk, dv, dc = _reference_backward(do, q, k, v, c, sm_scale, seq_start)
-    else:
-        c = _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
-        bounds = cu_seqlens.tolist()
-        pieces = [_reference_backward(do[:, s:e], q[:, s:e], k[:, s:e], v[:, s:e], c[..., s:e], sm_scale, None)
-                  for s, e in zip(bounds[:-1], bounds[1:])]
-        dq, dk, dv, dc = (torch.cat(parts, dim=dim) for parts, dim in zip(zip(*pieces), (1, 1, 1, 2)))
+        if cu_seqlens is None:
+            dq, dk, dv, dc = _reference_backward(do, q, k, v, c, sm_scale, seq_start)
+        else:
+            bounds = cu_seqlens.tolist()
+            pieces = [_reference_backward(do[:, s:e], q[:, s:e], k[:, s:e], v[:, s:e], c[..., s:e], sm_scale, None)
+                      for s, e in zip(bounds[:-1], bounds[1:])]
+            dq, dk, dv, dc = (torch.cat(parts, dim=dim) for parts, dim in zip(zip(*pieces), (1, 1, 1, 2)))
     dgate = _gate_gradient(dc, gate_is_cumsum, cu_seqlens, seq_start)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dgate.to(gate.dtype).contiguous()
 
