@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from .acp import measured_score_bound, record_pruned_counts, recording_pruned_counts
-from .reference import fgate_cumsum_from_log_fgate, forgetting_attention_reference
+from .reference import fgate_cumsum_from_log_fgate, forgetting_attention_reference, packed_token_bounds
 
 try:
     from .triton_attention import _segment_bias, triton_attention_backward, triton_attention_forward
@@ -233,9 +233,8 @@ def _gate_gradient(dc, gate_is_cumsum, cu_seqlens, seq_start):
     suffix = dc.double().flip(-1).cumsum(-1).flip(-1)
     if cu_seqlens is not None:
         # Remove what lies beyond each token's own sequence (float64; ~0 anyway, every sequence's dc sums to 0).
-        beyond = torch.nn.functional.pad(suffix, (0, 1))[..., cu_seqlens[1:].long()]
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        suffix = suffix - beyond.repeat_interleave(lengths, dim=-1, output_size=suffix.shape[-1])
+        _, end = packed_token_bounds(cu_seqlens, suffix.shape[-1])
+        suffix = suffix - torch.nn.functional.pad(suffix, (0, 1))[..., end]
     if seq_start is not None:
         positions = torch.arange(dc.shape[2], device=dc.device)
         suffix = suffix.masked_fill(positions < seq_start[:, None, None], 0.0)

@@ -15,6 +15,15 @@ from torch.utils.checkpoint import checkpoint
 _MAX_SCORES_PER_CHUNK = 2**24
 
 
+def packed_token_bounds(cu_seqlens, total):
+    """(start, end) of each token's own sequence in a packed batch of `total` tokens with boundaries `cu_seqlens`:
+    two int64 tensors of length `total`, computed on the device without reading the boundaries (no host sync)."""
+    bounds = cu_seqlens.long()
+    sequence = torch.repeat_interleave(torch.arange(bounds.shape[0] - 1, device=bounds.device), bounds.diff(),
+                                       output_size=total)
+    return bounds[:-1][sequence], bounds[1:][sequence]
+
+
 def fgate_cumsum_from_log_fgate(log_fgate, *, cu_seqlens=None, seq_start=None):
     """Inclusive cumulative sum of `log_fgate` (batch, seqlen, heads) along the sequence, in float64.
 
@@ -30,9 +39,8 @@ def fgate_cumsum_from_log_fgate(log_fgate, *, cu_seqlens=None, seq_start=None):
     cumsum = log_fgate.cumsum(-1)
     if cu_seqlens is not None:
         # Subtract, from every token, the cumulative sum just before its own sequence starts.
-        before_start = torch.nn.functional.pad(cumsum, (1, 0))[..., cu_seqlens[:-1].long()]
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        cumsum = cumsum - before_start.repeat_interleave(lengths, dim=-1, output_size=cumsum.shape[-1])
+        start, _ = packed_token_bounds(cu_seqlens, cumsum.shape[-1])
+        cumsum = cumsum - torch.nn.functional.pad(cumsum, (1, 0))[..., start]
     return cumsum.transpose(1, 2)
 
 

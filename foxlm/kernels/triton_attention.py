@@ -44,6 +44,8 @@ try:  # the scratch allocator of in-kernel TMA descriptors (older Triton has nei
 except ImportError:
     _allocation = None
 
+from .reference import packed_token_bounds
+
 LOG2E = 1.4426950408889634
 # Candidates per round of the pruning boundary search: 32^2 blocks (64k keys at 64-key blocks) in two rounds.
 SEARCH_WIDTH = 32
@@ -633,10 +635,7 @@ def _segment_bias(c, cu_seqlens):
     positions counted from each sequence's start. Exact to fp32 precision of values bounded by SEGMENT * max|log f|;
     the kernels add `c_s - anchor` back once per key block (`_segment_shift`)."""
     positions = torch.arange(c.shape[-1], device=c.device)
-    start = 0
-    if cu_seqlens is not None:
-        bounds = cu_seqlens.long()
-        start = bounds[torch.searchsorted(bounds, positions, right=True) - 1]
+    start = 0 if cu_seqlens is None else packed_token_bounds(cu_seqlens, c.shape[-1])[0]
     segment_start = start + (positions - start) // SEGMENT * SEGMENT
     return ((c - c.index_select(-1, segment_start)) * LOG2E).float()
 

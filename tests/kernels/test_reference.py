@@ -86,6 +86,12 @@ def test_packed_sequences_equal_separate_calls_and_restart_the_gate():
         torch.testing.assert_close(out[:, start:end], piece)
 
 
+def test_packed_token_bounds_skip_empty_sequences():
+    start, end = reference_module.packed_token_bounds(torch.tensor([0, 2, 2, 5, 5, 6], dtype=torch.int32), 6)
+    assert start.tolist() == [0, 0, 2, 2, 2, 5]
+    assert end.tolist() == [2, 2, 5, 5, 5, 6]
+
+
 def test_left_padding_ignores_pad_keys_and_their_gates():
     q, k, v, log_fgate = random_inputs(1, 8, 8, 2, 2, 8)
     pad = 3
