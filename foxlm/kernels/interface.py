@@ -218,9 +218,10 @@ def forgetting_attention(
 
 def _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start):
     """c in float64, laid out (B, Hq, Tk) with unit stride along Tk: the kernels read c as contiguous vectors and
-    subtract float64 anchors from it (fox-reference.md §4)."""
+    subtract float64 anchors from it (fox-reference.md §4). Always a new tensor: the forward op returns it, and an
+    op's output may not alias its input (a float64 cumsum given in that layout would otherwise come back as is)."""
     if gate_is_cumsum:
-        return gate.transpose(1, 2).double().contiguous()
+        return gate.transpose(1, 2).to(torch.float64, memory_format=torch.contiguous_format, copy=True)
     return fgate_cumsum_from_log_fgate(gate, cu_seqlens=cu_seqlens, seq_start=seq_start).transpose(1, 2).contiguous()
 
 

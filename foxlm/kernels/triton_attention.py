@@ -578,7 +578,9 @@ def _pruner(table, tile_elements):
 
 def _autotuned(kernel, table, tile_elements):
     configs = [c for entries in table.values() for c in entries] + _FALLBACK
-    return triton.autotune(configs, key=["BLOCK_D", "group", "HAS_SEQ_START", "IS_VARLEN", "tune_seqlen"],
+    key = [name for name in ("BLOCK_D", "group", "HAS_SEQ_START", "IS_VARLEN", "USE_TMA", "tune_seqlen")
+           if name in kernel.arg_names]  # the dK/dV kernel has no USE_TMA
+    return triton.autotune(configs, key=key,
                            prune_configs_by={"early_config_prune": _pruner(table, tile_elements)})(kernel)
 
 
@@ -604,19 +606,22 @@ def _tune_seqlen(max_seqlen):
 
 
 def _use_tma(*tensors):
-    """Whether the main loops load their tiles through TMA descriptors (`_row_tiles`): on Hopper and newer GPUs (and
-    in the interpreter) with a Triton that makes them in kernels (`tl.make_tensor_descriptor`), when every row of
+    """Whether the main loops load their tiles through TMA descriptors (`_row_tiles`): on Hopper and newer NVIDIA GPUs
+    (and in the interpreter) with a Triton that makes them in kernels (`tl.make_tensor_descriptor`), when every row of
     these (batch, seqlen, heads, head_dim) tensors starts at a multiple of 16 bytes, as TMA requires. The descriptors
     live in a per-launch scratch buffer, which Triton takes from the allocator of `triton.set_allocator`: a torch one
     is set here unless the user set their own."""
-    if not TMA_LOADS or _allocation is None or not hasattr(tl, "make_tensor_descriptor"):
+    if not TMA_LOADS or _allocation is None or not hasattr(tl, "make_tensor_descriptor") or torch.version.hip:
         return False
     if not _INTERPRET and _compute_capability(tensors[0].device.index)[0] < 9:
         return False
     if not all(t.data_ptr() % 16 == 0 and all(n * t.element_size() % 16 == 0 for n in (*t.stride()[:-1], t.shape[-1]))
                for t in tensors):
         return False
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+    current = _allocation._allocator
+    if hasattr(current, "get"):  # a ContextVar from Triton 3.5 on (per thread: autograd's threads start unset)
+        current = current.get()
+    if isinstance(current, _allocation.NullAllocator):
         triton.set_allocator(_scratch)
     return True
 

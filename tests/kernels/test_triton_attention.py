@@ -210,17 +210,27 @@ def test_tma_and_pointer_loads_give_identical_results(monkeypatch, shape, kwargs
 
     kwargs = {name: torch.tensor(value, device=DEVICE, dtype=torch.int32) if isinstance(value, list) else value
               for name, value in kwargs.items()}
-    inputs = make_inputs(*shape, gate_scale=4.0)
+    q, k, v, log_fgate = make_inputs(*shape, gate_scale=4.0)
+    B, Tk, Hkv, D = k.shape
+    # K and V are views into NaN-filled buffers (16 more rows, 8 more columns): a load past the sequence or past
+    # head_dim that is not zero-filled turns the result into NaN.
+    buffers = [torch.full((B, Tk + 16, Hkv, D + 8), float("nan"), device=DEVICE) for _ in range(2)]
+    for buffer, x in zip(buffers, (k, v)):
+        buffer[:, :Tk, :, :D] = x
     grad_out = torch.randn(*shape[:2], shape[3], shape[5], device=DEVICE)
     uses = []
     monkeypatch.setattr(ta, "_use_tma", lambda *t, use=ta._use_tma: uses.append(use(*t)) or uses[-1])
-    run = lambda *a: forgetting_attention(*a, backend="triton", **kwargs)  # noqa: E731
-    with_tma = outputs_and_grads(run, inputs, grad_out)
+
+    def run(q, k_buffer, v_buffer, log_fgate):
+        k, v = (x[:, :Tk, :, :D] for x in (k_buffer, v_buffer))
+        return forgetting_attention(q, k, v, log_fgate, backend="triton", **kwargs)
+
+    with_tma = outputs_and_grads(run, (q, *buffers, log_fgate), grad_out)
     monkeypatch.setattr(ta, "TMA_LOADS", False)
-    with_pointers = outputs_and_grads(run, inputs, grad_out)
+    with_pointers = outputs_and_grads(run, (q, *buffers, log_fgate), grad_out)
     assert uses == [True, True, False, False]
     for x, y in zip(with_tma, with_pointers):
-        assert torch.equal(x, y)
+        assert torch.isfinite(x).all() and torch.equal(x, y)
 
 
 def test_tma_loads_only_for_16_byte_aligned_rows_and_a_triton_that_makes_descriptors(monkeypatch):
@@ -232,6 +242,7 @@ def test_tma_loads_only_for_16_byte_aligned_rows_and_a_triton_that_makes_descrip
     assert not ta._use_tma(buffer[4:260].view(1, 8, 2, 16))  # starts 8 bytes past an aligned address
     assert not ta._use_tma(torch.randn(1, 8, 2, 20, device=DEVICE, dtype=torch.float16))  # 40-byte rows
     assert not ta._use_tma(q[..., :12])  # 24-byte rows
+    assert not ta._use_tma(torch.randn(1, 8, 2, 20, device=DEVICE, dtype=torch.float16)[..., :16])  # 40-byte strides
     monkeypatch.setattr(ta, "_allocation", None)  # a Triton without in-kernel descriptors takes pointer tiles
     assert not ta._use_tma(q)
 
@@ -239,13 +250,30 @@ def test_tma_loads_only_for_16_byte_aligned_rows_and_a_triton_that_makes_descrip
 def test_backward_reuses_the_forward_cumsum_and_key_biases(monkeypatch):
     from foxlm.kernels import interface
 
+    from foxlm.kernels import triton_attention as ta
+
     calls = []
-    for name in ("_cumsum_float64", "_segment_bias"):
-        original = getattr(interface, name)
-        monkeypatch.setattr(interface, name, lambda *a, f=original, n=name: calls.append(n) or f(*a))
+    for module, name in ((interface, "_cumsum_float64"), (interface, "_segment_bias"), (ta, "_segment_bias")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, f=original, n=name: calls.append(n) or f(*a))
     inputs = make_inputs(1, 40, 40, 2, 1, 16)
     outputs_and_grads(lambda *a: forgetting_attention(*a, backend="triton"), inputs, torch.randn(1, 40, 2, 16))
     assert calls == ["_cumsum_float64", "_segment_bias"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_float64_cumsum_in_the_kernels_layout_is_accepted(backend):
+    # fgate_cumsum_from_log_fgate returns a (B, T, H) view of a (B, H, T) float64 tensor: the op must not hand that
+    # memory back as its own output.
+    from foxlm.kernels.reference import fgate_cumsum_from_log_fgate
+
+    q, k, v, log_fgate = make_inputs(1, 30, 30, 2, 1, 16)
+    c = fgate_cumsum_from_log_fgate(log_fgate)
+    got = outputs_and_grads(lambda q, k, v, c: forgetting_attention(q, k, v, fgate_cumsum=c, backend=backend),
+                            (q, k, v, c), torch.randn(1, 30, 2, 16, device=DEVICE))
+    want = forgetting_attention(q, k, v, log_fgate, backend=backend)
+    torch.testing.assert_close(got[0], want)
+    assert torch.isfinite(got[4]).all()
 
 
 def test_autotuning_keys_on_the_length_class():
