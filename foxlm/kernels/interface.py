@@ -18,9 +18,9 @@ from .acp import measured_score_bound, record_pruned_counts, recording_pruned_co
 from .reference import fgate_cumsum_from_log_fgate, forgetting_attention_reference, packed_token_bounds
 
 try:
-    from .triton_attention import _segment_bias, triton_attention_backward, triton_attention_forward
+    from .triton_attention import triton_attention_backward, triton_attention_forward
 except ImportError:  # no Triton (CPU-only torch builds, remote code on such machines)
-    triton_attention_forward = triton_attention_backward = _segment_bias = None
+    triton_attention_forward = triton_attention_backward = None
 
 logger = logging.getLogger(__name__)
 
@@ -300,10 +300,9 @@ def _forgetting_attention_op(
     counts = q.new_empty(_counts_shape(q, count_pruned), dtype=torch.int32)
     if use_triton:
         c = _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
-        key_bias = _segment_bias(c, cu_seqlens)
         with on_device_of(q):
-            out, lse = triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens, max_seqlen, seq_start, prune_eps,
-                                                score_bound, counts if count_pruned else None, key_bias=key_bias)
+            out, lse, key_bias = triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens, max_seqlen, seq_start,
+                                                          prune_eps, score_bound, counts if count_pruned else None)
         return out, lse, counts, c, key_bias
     gates = dict(fgate_cumsum=gate) if gate_is_cumsum else dict(log_fgate=gate)
     out = forgetting_attention_reference(q, k, v, **gates, sm_scale=sm_scale, cu_seqlens=cu_seqlens,
@@ -335,8 +334,8 @@ def _forgetting_attention_backward_op(
     """Gradients of the forward op's inputs; c and key_bias as the forward returned them."""
     if use_triton:
         with on_device_of(q):
-            dq, dk, dv, dc = triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens, max_seqlen,
-                                                       seq_start, prune_eps, score_bound, key_bias=key_bias)
+            dq, dk, dv, dc = triton_attention_backward(do, q, k, v, out, lse, c, key_bias, sm_scale, cu_seqlens,
+                                                       max_seqlen, seq_start, prune_eps, score_bound)
     else:  # the reference path returns no c from the forward
         c = _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
         if cu_seqlens is None:

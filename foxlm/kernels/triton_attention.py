@@ -675,22 +675,23 @@ def _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
 
 
 def triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens=None, max_seqlen=None, seq_start=None,
-                             prune_eps=None, score_bound=None, pruned_counts=None, key_bias=None):
-    """Returns (out (B, Tq, Hq, D), lse (B, Hq, Tq) fp32 in the log2 domain). `c` is the float64 cumsum of log f
-    laid out (B, Hq, Tk) with unit stride along Tk. With `prune_eps`, tiles are pruned against `score_bound`
+                             prune_eps=None, score_bound=None, pruned_counts=None):
+    """Returns (out (B, Tq, Hq, D), lse (B, Hq, Tq) fp32 in the log2 domain, key_bias): key_bias are the key biases
+    the forward and dQ loops read (`_segment_bias`), for the backward. `c` is the float64 cumsum of log f laid out
+    (B, Hq, Tk) with unit stride along Tk. With `prune_eps`, tiles are pruned against `score_bound`
     (U >= |sm_scale q.k|, float32 broadcastable to (B, Hq)); `pruned_counts`, an int32 (B, Hq, Tq, 2) tensor, then
-    receives each query row's (skipped keys, visible keys). `key_bias`: `_segment_bias(c, cu_seqlens)` if already
-    computed. The other arguments are those of `forgetting_attention`."""
+    receives each query row's (skipped keys, visible keys). The other arguments are those of
+    `forgetting_attention`."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     c = c.contiguous()  # the kernels read c and its `_segment_bias` with the same strides
-    key_bias = _segment_bias(c, cu_seqlens) if key_bias is None else key_bias.contiguous()
+    key_bias = _segment_bias(c, cu_seqlens)
     B, Tq, Hq, D = q.shape
     Tk = k.shape[1]
     cfg = _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
     if q.numel() == 0 or cfg["max_q"] == 0:
-        return out.zero_(), lse.fill_(float("inf"))
+        return out.zero_(), lse.fill_(float("inf")), key_bias
     grid = lambda meta: (triton.cdiv(cfg["max_q"], meta["BLOCK_M"]) * cfg["n_seqs"] * Hq,)  # noqa: E731
     _fwd[grid](
         q, k, v, c, key_bias, out, lse, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
@@ -703,15 +704,15 @@ def triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens=None, max_seqlen=N
         COUNT_PRUNED=pruned_counts is not None, SEARCH_WIDTH=SEARCH_WIDTH, HEAD_GROUP=cfg["head_group"],
         SEGMENT=SEGMENT, USE_TMA=_use_tma(k, v),
     )
-    return out, lse
+    return out, lse, key_bias
 
 
-def triton_attention_backward(do, q, k, v, out, lse, c, sm_scale, cu_seqlens=None, max_seqlen=None,
-                              seq_start=None, prune_eps=None, score_bound=None, key_bias=None):
-    """Returns (dq, dk, dv, dc) with dc = dL/dc of shape (B, Hq, Tk) in fp32; `key_bias` as in the forward."""
+def triton_attention_backward(do, q, k, v, out, lse, c, key_bias, sm_scale, cu_seqlens=None, max_seqlen=None,
+                              seq_start=None, prune_eps=None, score_bound=None):
+    """Returns (dq, dk, dv, dc) with dc = dL/dc of shape (B, Hq, Tk) in fp32; lse and key_bias as the forward
+    returned them."""
     q, k, v, out, do = (_last_dim_contiguous(t) for t in (q, k, v, out, do))
-    c = c.contiguous()
-    key_bias = _segment_bias(c, cu_seqlens) if key_bias is None else key_bias.contiguous()
+    c, key_bias = c.contiguous(), key_bias.contiguous()
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
     cfg = _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound)
