@@ -639,10 +639,20 @@ def _segment_bias(c, cu_seqlens):
     """`(c_t - c_s) * log2(e)` in fp32, laid out as c (B, H, T), s the first position of t's segment: SEGMENT
     positions counted from each sequence's start. Exact to fp32 precision of values bounded by SEGMENT * max|log f|;
     the kernels add `c_s - anchor` back once per key block (`_segment_shift`)."""
-    positions = torch.arange(c.shape[-1], device=c.device)
-    start = 0 if cu_seqlens is None else packed_token_bounds(cu_seqlens, c.shape[-1])[0]
-    segment_start = start + (positions - start) // SEGMENT * SEGMENT
-    return ((c - c.index_select(-1, segment_start)) * LOG2E).float()
+    if cu_seqlens is None:
+        segment_start = _dense_segment_starts(c.shape[-1], c.device)
+    else:
+        positions = torch.arange(c.shape[-1], device=c.device)
+        start = packed_token_bounds(cu_seqlens, c.shape[-1])[0]
+        segment_start = start + (positions - start) // SEGMENT * SEGMENT
+    return (c - c.index_select(-1, segment_start)).mul_(LOG2E).float()
+
+
+@functools.lru_cache(maxsize=16)
+def _dense_segment_starts(length, device):
+    """Segment starts of positions 0..length-1: a forward's host time at short lengths is mostly small launches
+    like these, so equal-length calls (every layer, every step) share one index."""
+    return torch.arange(length, device=device) // SEGMENT * SEGMENT
 
 
 def _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):

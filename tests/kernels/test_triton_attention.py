@@ -261,6 +261,20 @@ def test_backward_reuses_the_forward_cumsum_and_key_biases(monkeypatch):
     assert calls == ["_cumsum_float64", "_segment_bias"]
 
 
+def test_equal_length_calls_share_one_segment_index_made_even_in_inference_mode():
+    from foxlm.kernels import triton_attention as ta
+
+    ta._dense_segment_starts.cache_clear()
+    inputs = make_inputs(1, 40, 40, 2, 1, 16)
+    with torch.inference_mode():  # e.g. generation first: the cached index is then an inference tensor
+        first = forgetting_attention(*inputs, backend="triton")
+    grad_out = torch.randn(1, 40, 2, 16, device=DEVICE)
+    got = outputs_and_grads(lambda *a: forgetting_attention(*a, backend="triton"), inputs, grad_out)
+    assert torch.equal(got[0].detach(), first) and all(torch.isfinite(g).all() for g in got[1:])
+    info = ta._dense_segment_starts.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_float64_cumsum_in_the_kernels_layout_is_accepted(backend):
     # fgate_cumsum_from_log_fgate returns a (B, T, H) view of a (B, H, T) float64 tensor: the op must not hand that
