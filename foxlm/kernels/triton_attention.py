@@ -639,11 +639,13 @@ def _segment_bias(c, cu_seqlens):
     """`(c_t - c_s) * log2(e)` in fp32, laid out as c (B, H, T), s the first position of t's segment: SEGMENT
     positions counted from each sequence's start. Exact to fp32 precision of values bounded by SEGMENT * max|log f|;
     the kernels add `c_s - anchor` back once per key block (`_segment_shift`)."""
-    if cu_seqlens is None:
+    dense = cu_seqlens is None
+    # The cached index must not come from a CUDA graph's private memory pool (a capture's first call).
+    if dense and not (c.is_cuda and torch.cuda.is_current_stream_capturing()):
         segment_start = _dense_segment_starts(c.shape[-1], c.device)
     else:
         positions = torch.arange(c.shape[-1], device=c.device)
-        start = packed_token_bounds(cu_seqlens, c.shape[-1])[0]
+        start = 0 if dense else packed_token_bounds(cu_seqlens, c.shape[-1])[0]
         segment_start = start + (positions - start) // SEGMENT * SEGMENT
     return (c - c.index_select(-1, segment_start)).mul_(LOG2E).float()
 
