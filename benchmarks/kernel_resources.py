@@ -166,7 +166,8 @@ def main():
                 for prune in (False, True) if args.prune else (False,):
                     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, IS_VARLEN=args.layout == "packed",
                                       HAS_SEQ_START=args.layout == "padded",
-                                      DOT_PRECISION="tf32", PRUNE=prune, SEARCH_WIDTH=ta.SEARCH_WIDTH, HEAD_GROUP=1,
+                                      DOT_PRECISION="tf32", PRUNE=prune, SEARCH_WIDTH=ta.SEARCH_WIDTH,
+                                      ALL_HEADS=ta._spread_heads(prune, 1, head_dim),
                                       **config.kwargs)
                     if "COUNT_PRUNED" in fn.arg_names:
                         constexprs["COUNT_PRUNED"] = False

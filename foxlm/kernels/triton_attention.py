@@ -20,7 +20,8 @@ Design (fox-reference.md §3-4):
   key-stationary dK/dV pass then uses the corrected delta. dK/dV programs loop over the query heads of their GQA group,
   so dK/dV are reduced in registers (no per-query-head copy), and they own `dc_j = -sum_i dS_ij` (the row sums of dS
   vanish, fox-reference.md §3); `d log f` is then a float64 reverse cumsum.
-- 1-D grids (no 65535 limit on y/z), 64-bit base offsets, heavy blocks launched first (`_heaviest_first`).
+- 1-D grids (no 65535 limit on y/z), 64-bit base offsets, heavy blocks launched first (`_heaviest_first`), of
+  all heads at once or head by head (`_spread_heads`).
 - On Hopper and newer, the forward and dQ loops load K/V through TMA descriptors made per program (`_row_tiles`:
   the copy engine computes addresses and zero-fills rows past the sequence and columns past head_dim, as the
   pointer tiles' masks do, so both paths give bit-identical results).
@@ -49,9 +50,6 @@ from .reference import packed_token_bounds
 LOG2E = 1.4426950408889634
 # Candidates per round of the pruning boundary search: 32^2 blocks (64k keys at 64-key blocks) in two rounds.
 SEARCH_WIDTH = 32
-# Heads per group of `_heaviest_first` when pruning (heads then differ in work): ordering heavy blocks across all
-# heads evens out the scheduler's tail, but more heads in flight than fit in L2 cost when the work is dense.
-PRUNED_HEAD_GROUP = 4
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Keys per segment of `_segment_bias`: every key block of the forward and dQ passes lies in one segment, so it is a
 # multiple of their BLOCK_N. The interpreter's small blocks get short segments, so that small test shapes cross
@@ -135,15 +133,17 @@ def _sequence(CU_SEQLENS, SEQ_START, b, Tq, Tk, IS_VARLEN: tl.constexpr, HAS_SEQ
 
 
 @triton.jit
-def _heaviest_first(pid, num_blocks, HEAD_GROUP: tl.constexpr):
-    """(sequence * heads + head, i) of program `pid`, i = 0 for the block with the most causal work: heads go in
-    groups of HEAD_GROUP and within a group the heavy blocks of all its heads go first, so the scheduler's last
-    programs are short (list scheduling) while the K/V of the few heads in flight stay in L2."""
-    num_bh = tl.num_programs(0) // num_blocks
-    group_start = pid // (HEAD_GROUP * num_blocks) * HEAD_GROUP
-    group_size = tl.minimum(HEAD_GROUP, num_bh - group_start)  # the last group may be smaller
-    local = pid - group_start * num_blocks
-    return group_start + local % group_size, local // group_size
+def _heaviest_first(pid, num_blocks, ALL_HEADS: tl.constexpr):
+    """(sequence * heads + head, i) of program `pid`, i = 0 for the block with the most causal work. ALL_HEADS: the
+    heavy blocks of every (sequence, head) pair go first, so the scheduler's last programs are the short ones of all
+    heads (list scheduling); otherwise head by head, heavy first within each head."""
+    if ALL_HEADS:
+        num_bh = tl.num_programs(0) // num_blocks
+        return pid % num_bh, pid // num_bh
+    else:
+        # Not `pid % num_blocks`: with that form ptxas (Triton 3.6, sm_90) serialized the packed D128 dK/dV wgmma.
+        bh = pid // num_blocks
+        return bh, pid - bh * num_blocks
 
 
 @triton.jit
@@ -248,11 +248,11 @@ def _fwd_kernel(Q, K, V, C, C_SEG, O, LSE, CU_SEQLENS, SEQ_START, BOUND, PRUNED,
                 Tq, Tk, max_seqlen_q, num_heads, group, tune_seqlen, qk_scale, log_eps,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
                 HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
-                COUNT_PRUNED: tl.constexpr, SEARCH_WIDTH: tl.constexpr, HEAD_GROUP: tl.constexpr,
+                COUNT_PRUNED: tl.constexpr, SEARCH_WIDTH: tl.constexpr, ALL_HEADS: tl.constexpr,
                 SEGMENT: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(max_seqlen_q, BLOCK_M)
-    bh, heavy_rank = _heaviest_first(pid, num_m, HEAD_GROUP)
+    bh, heavy_rank = _heaviest_first(pid, num_m, ALL_HEADS)
     start_m = (num_m - 1 - heavy_rank) * BLOCK_M  # the longest causal rows first
     b = bh // num_heads
     h = bh % num_heads
@@ -368,11 +368,11 @@ def _bwd_kv_kernel(Q, K, V, C, DO, LSE, DELTA, DK, DV, DC, CU_SEQLENS, SEQ_START
                    Tq, Tk, max_seqlen_k, num_heads, group, tune_seqlen, qk_scale, sm_scale, log_eps,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
                    HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
-                   SEARCH_WIDTH: tl.constexpr, HEAD_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                   SEARCH_WIDTH: tl.constexpr, ALL_HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_n = tl.cdiv(max_seqlen_k, BLOCK_N)
-    bh, heavy_rank = _heaviest_first(pid, num_n, HEAD_GROUP)
+    bh, heavy_rank = _heaviest_first(pid, num_n, ALL_HEADS)
     start_n = heavy_rank * BLOCK_N  # the earliest keys, seen by the most queries, first
     num_kv_heads = num_heads // group
     b = bh // num_kv_heads
@@ -461,11 +461,11 @@ def _bwd_q_kernel(Q, K, V, C, C_SEG, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, 
                   Tq, Tk, max_seqlen_q, num_heads, group, tune_seqlen, qk_scale, sm_scale, log_eps,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
                   HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
-                  SEARCH_WIDTH: tl.constexpr, HEAD_GROUP: tl.constexpr, SEGMENT: tl.constexpr,
+                  SEARCH_WIDTH: tl.constexpr, ALL_HEADS: tl.constexpr, SEGMENT: tl.constexpr,
                   USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(max_seqlen_q, BLOCK_M)
-    bh, heavy_rank = _heaviest_first(pid, num_m, HEAD_GROUP)
+    bh, heavy_rank = _heaviest_first(pid, num_m, ALL_HEADS)
     start_m = (num_m - 1 - heavy_rank) * BLOCK_M  # the longest causal rows first
     b = bh // num_heads
     h = bh % num_heads
@@ -657,6 +657,16 @@ def _dense_segment_starts(length, device):
     return torch.arange(length, device=device) // SEGMENT * SEGMENT
 
 
+def _spread_heads(pruned, group, block_d):
+    """Whether a launch runs the heavy blocks of all (sequence, head) pairs first (`_heaviest_first`) rather than
+    head by head. Head by head, the heaviest blocks of the last heads start last, and the launch ends on them with
+    SMs idle: this costs where heads differ in work (pruning: up to 100x), where programs are few per head (GQA: a
+    dK/dV program loops over its group) and, measured, at head dim 64 (4-7% at 16k, 2-4% at 4k on an H100,
+    `benchmarks/results/head_order_ab_*.json`). Without those, at head dim 128 head by head was 3% faster at 16k
+    (the K/V of all heads in flight at once, with two pipeline stages to hide their misses)."""
+    return pruned or group > 1 or block_d <= 64
+
+
 def _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
     B, Tq, Hq, D = q.shape
     Tk = k.shape[1]
@@ -676,13 +686,14 @@ def _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
         bound = q.new_empty((1,), dtype=torch.float32).expand(B, Hq)
     else:
         bound = score_bound.to(device=q.device, dtype=torch.float32).expand(B, Hq)
+    block_d, group = max(16, triton.next_power_of_2(D)), Hq // k.shape[2]
     return dict(
         n_seqs=n_seqs, max_q=max_q, max_k=max_k, cu_seqlens=cu_seqlens, seq_start=seq_start,
-        block_d=max(16, triton.next_power_of_2(D)), group=Hq // k.shape[2], tune_seqlen=_tune_seqlen(max_k),
+        block_d=block_d, group=group, tune_seqlen=_tune_seqlen(max_k),
         dot_precision="ieee" if q.dtype == torch.float32 else "tf32",
         bound=bound, bound_strides=bound.stride(),
         log_eps=0.0 if prune_eps is None else math.log(prune_eps),
-        head_group=1 if prune_eps is None else PRUNED_HEAD_GROUP,
+        all_heads=_spread_heads(prune_eps is not None, group, block_d),
     )
 
 
@@ -713,7 +724,7 @@ def triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens=None, max_seqlen=N
         cfg["log_eps"],
         HEAD_DIM=D, BLOCK_D=cfg["block_d"], IS_VARLEN=cu_seqlens is not None,
         HAS_SEQ_START=seq_start is not None, DOT_PRECISION=cfg["dot_precision"], PRUNE=prune_eps is not None,
-        COUNT_PRUNED=pruned_counts is not None, SEARCH_WIDTH=SEARCH_WIDTH, HEAD_GROUP=cfg["head_group"],
+        COUNT_PRUNED=pruned_counts is not None, SEARCH_WIDTH=SEARCH_WIDTH, ALL_HEADS=cfg["all_heads"],
         SEGMENT=SEGMENT, USE_TMA=_use_tma(k, v),
     )
     return out, lse, key_bias
@@ -743,7 +754,7 @@ def triton_attention_backward(do, q, k, v, out, lse, c, key_bias, sm_scale, cu_s
     )
     common = dict(HEAD_DIM=D, BLOCK_D=cfg["block_d"], IS_VARLEN=cu_seqlens is not None,
                   HAS_SEQ_START=seq_start is not None, DOT_PRECISION=cfg["dot_precision"],
-                  PRUNE=prune_eps is not None, SEARCH_WIDTH=SEARCH_WIDTH, HEAD_GROUP=cfg["head_group"])
+                  PRUNE=prune_eps is not None, SEARCH_WIDTH=SEARCH_WIDTH, ALL_HEADS=cfg["all_heads"])
     c_strides = (c.stride(0), c.stride(2), c.stride(1))
     grid_q = lambda meta: (triton.cdiv(cfg["max_q"], meta["BLOCK_M"]) * cfg["n_seqs"] * Hq,)  # noqa: E731
     _bwd_q[grid_q](

@@ -55,7 +55,7 @@ def fast_and_slow_gates(B, T, H, fast_logit=1.0):
 
 def test_fast_decay_prunes_most_tiles_within_the_bound_with_gqa_and_left_padding():
     torch.manual_seed(0)
-    B, T, Hq, Hkv, D = 2, 128, 6, 3, 16  # 6 (b, kv head) pairs: a full and a partial group of _heaviest_first
+    B, T, Hq, Hkv, D = 2, 128, 6, 3, 16
     q = torch.randn(B, T, Hq, D, device=DEVICE) * 0.3
     k = torch.randn(B, T, Hkv, D, device=DEVICE) * 0.3
     v = torch.randn(B, T, Hkv, D, device=DEVICE)

@@ -233,6 +233,42 @@ def test_tma_and_pointer_loads_give_identical_results(monkeypatch, shape, kwargs
         assert torch.isfinite(x).all() and torch.equal(x, y)
 
 
+@pytest.mark.parametrize(
+    "shape, kwargs",
+    [
+        ((2, 45, 45, 4, 2, 16), {}),  # GQA
+        ((3, 45, 45, 2, 2, 16), {"seq_start": [0, 13, 40]}),
+        ((1, 70, 70, 2, 2, 16), {"cu_seqlens": [0, 1, 18, 51, 70], "max_seqlen": 33}),
+        ((2, 64, 64, 3, 3, 16), {"prune_eps": 1e-3}),
+    ],
+)
+def test_heavy_blocks_of_all_heads_first_or_head_by_head_give_identical_results(monkeypatch, shape, kwargs):
+    from foxlm.kernels import triton_attention as ta
+
+    kwargs = {name: torch.tensor(value, device=DEVICE, dtype=torch.int32) if isinstance(value, list) else value
+              for name, value in kwargs.items()}
+    inputs = make_inputs(*shape, gate_scale=4.0)
+    grad_out = torch.randn(*shape[:2], shape[3], shape[5], device=DEVICE)
+    results = []
+    for all_heads in (True, False):
+        monkeypatch.setattr(ta, "_spread_heads", lambda *args, spread=all_heads: spread)
+        results.append(outputs_and_grads(lambda *a: forgetting_attention(*a, backend="triton", **kwargs), inputs,
+                                         grad_out))
+    for x, y in zip(*results):
+        assert torch.isfinite(x).all() and torch.equal(x, y)
+
+
+@pytest.mark.parametrize(
+    "pruned, group, block_d, all_heads",
+    [(True, 1, 128, True), (False, 4, 128, True), (False, 1, 64, True), (False, 1, 128, False),
+     (False, 1, 256, False)],
+)
+def test_heads_are_spread_where_the_head_by_head_order_measured_slower(pruned, group, block_d, all_heads):
+    from foxlm.kernels import triton_attention as ta
+
+    assert ta._spread_heads(pruned, group, block_d) is all_heads
+
+
 def test_tma_loads_only_for_16_byte_aligned_rows_and_a_triton_that_makes_descriptors(monkeypatch):
     from foxlm.kernels import triton_attention as ta
 
