@@ -195,21 +195,27 @@ def test_backward_is_deterministic():
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize(
-    "shape, kwargs",
-    [
-        ((2, 37, 37, 2, 2, 24), {}),  # padded head dim: TMA fills the columns past head_dim with zeros
-        ((2, 19, 53, 4, 2, 16), {}),  # GQA, Tq < Tk
-        ((3, 45, 45, 2, 1, 16), {"seq_start": [0, 13, 40]}),
-        ((1, 70, 70, 2, 2, 16), {"cu_seqlens": [0, 1, 18, 51, 70], "max_seqlen": 33}),
-        ((1, 64, 64, 2, 2, 16), {"prune_eps": 1e-3}),
-    ],
-)
+# (B, Tq, Tk, Hq, Hkv, D) and keyword arguments (lists become int32 tensors) of launches that two kernel variants must
+# agree on bit for bit.
+LAUNCH_VARIANTS = [
+    ((2, 37, 37, 2, 2, 24), {}),  # padded head dim: TMA fills the columns past head_dim with zeros
+    ((2, 19, 53, 4, 2, 16), {}),  # GQA, Tq < Tk
+    ((3, 45, 45, 2, 1, 16), {"seq_start": [0, 13, 40]}),
+    ((1, 70, 70, 2, 2, 16), {"cu_seqlens": [0, 1, 18, 51, 70], "max_seqlen": 33}),
+    ((2, 64, 64, 3, 3, 16), {"prune_eps": 1e-3}),
+]
+
+
+def launch_kwargs(kwargs):
+    return {name: torch.tensor(value, device=DEVICE, dtype=torch.int32) if isinstance(value, list) else value
+            for name, value in kwargs.items()}
+
+
+@pytest.mark.parametrize("shape, kwargs", LAUNCH_VARIANTS)
 def test_tma_and_pointer_loads_give_identical_results(monkeypatch, shape, kwargs):
     from foxlm.kernels import triton_attention as ta
 
-    kwargs = {name: torch.tensor(value, device=DEVICE, dtype=torch.int32) if isinstance(value, list) else value
-              for name, value in kwargs.items()}
+    kwargs = launch_kwargs(kwargs)
     q, k, v, log_fgate = make_inputs(*shape, gate_scale=4.0)
     B, Tk, Hkv, D = k.shape
     # K and V are views into NaN-filled buffers (16 more rows, 8 more columns): a load past the sequence or past
@@ -233,20 +239,11 @@ def test_tma_and_pointer_loads_give_identical_results(monkeypatch, shape, kwargs
         assert torch.isfinite(x).all() and torch.equal(x, y)
 
 
-@pytest.mark.parametrize(
-    "shape, kwargs",
-    [
-        ((2, 45, 45, 4, 2, 16), {}),  # GQA
-        ((3, 45, 45, 2, 2, 16), {"seq_start": [0, 13, 40]}),
-        ((1, 70, 70, 2, 2, 16), {"cu_seqlens": [0, 1, 18, 51, 70], "max_seqlen": 33}),
-        ((2, 64, 64, 3, 3, 16), {"prune_eps": 1e-3}),
-    ],
-)
+@pytest.mark.parametrize("shape, kwargs", LAUNCH_VARIANTS)
 def test_heavy_blocks_of_all_heads_first_or_head_by_head_give_identical_results(monkeypatch, shape, kwargs):
     from foxlm.kernels import triton_attention as ta
 
-    kwargs = {name: torch.tensor(value, device=DEVICE, dtype=torch.int32) if isinstance(value, list) else value
-              for name, value in kwargs.items()}
+    kwargs = launch_kwargs(kwargs)
     inputs = make_inputs(*shape, gate_scale=4.0)
     grad_out = torch.randn(*shape[:2], shape[3], shape[5], device=DEVICE)
     results = []
