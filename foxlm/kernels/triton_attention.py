@@ -24,7 +24,8 @@ Design (fox-reference.md §3-4):
   all heads at once or head by head (`_spread_heads`).
 - On Hopper and newer, the forward and dQ loops load K/V through TMA descriptors made per program (`_row_tiles`:
   the copy engine computes addresses and zero-fills rows past the sequence and columns past head_dim, as the
-  pointer tiles' masks do, so both paths give bit-identical results).
+  pointer tiles' masks do, so both paths give bit-identical results); the pruned D64 dQ loop loads its key biases
+  that way too (`_bias_source`, `_bias_tma_pays`).
 - Adaptive Computation Pruning (fox-reference.md §5), when `prune_eps` is given: a tile with first query i0
   and last key j1 has every bias `<= c_i0 - c_j1`, and is skipped when that is below `delta = log eps - 2U - log L`
   (then each query loses at most eps of its attention mass). c is monotone, so the kept key blocks of a query block
@@ -93,6 +94,20 @@ def _row_tiles(base, n_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.
     else:
         src = base
     return src
+
+
+@triton.jit
+def _bias_source(base, bos, seq_k, BLOCK_N: tl.constexpr, BIAS_TMA: tl.constexpr):
+    """(source, origin) of a sequence's fp32 key biases, given the start of their row (unit stride): a TMA descriptor
+    over the row up to the sequence's end (zeros past it) and the sequence's first index in it, or the pointer to the
+    sequence's first bias and 0."""
+    if BIAS_TMA:
+        src = tl.make_tensor_descriptor(base, shape=[bos.to(tl.int32) + seq_k], strides=[1], block_shape=[BLOCK_N])
+        origin = bos.to(tl.int32)
+    else:
+        src = base + bos
+        origin = 0
+    return src, origin
 
 
 @triton.jit
@@ -197,16 +212,18 @@ def _segment_shift(C, stride_ct, pos, anchor, SEGMENT: tl.constexpr):
 
 
 @triton.jit
-def _key_block(K, V, C, C_SEG, stride_kt, stride_vt, stride_ct, anchor, kv_start, seq_k, start_n, offs_n, offs_d,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, HAS_SEQ_START: tl.constexpr,
-               SEGMENT: tl.constexpr, USE_TMA: tl.constexpr):
+def _key_block(K, V, C, C_SEG, bias_origin, stride_kt, stride_vt, stride_ct, anchor, kv_start, seq_k, start_n,
+               offs_n, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+               HAS_SEQ_START: tl.constexpr, SEGMENT: tl.constexpr, USE_TMA: tl.constexpr, BIAS_TMA: tl.constexpr):
     """(key positions, K tile, V tile, key bias in two parts) of the key block at start_n, as the query-stationary
     passes see it: the log2-domain bias of key j against the anchor is `c_seg[j] + shift`; keys before kv_start
-    (left padding) get c_seg +inf."""
+    (left padding) get c_seg +inf. C_SEG and bias_origin come from `_bias_source`."""
     offs_k = start_n + offs_n
     k = _load_rows(K, start_n, offs_n, seq_k, stride_kt, offs_d, HEAD_DIM, BLOCK_D, MASKED, USE_TMA)
     v = _load_rows(V, start_n, offs_n, seq_k, stride_vt, offs_d, HEAD_DIM, BLOCK_D, MASKED, USE_TMA)
-    if MASKED:
+    if BIAS_TMA:
+        c_seg = C_SEG.load([bias_origin + start_n])
+    elif MASKED:
         c_seg = tl.load(C_SEG + offs_k.to(tl.int64) * stride_ct, mask=offs_k < seq_k, other=0.0)
     else:
         c_seg = tl.load(C_SEG + offs_k.to(tl.int64) * stride_ct)
@@ -224,9 +241,9 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, C, C_SEG, stride_kt, stride_vt, stride_ct
                HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, SEGMENT: tl.constexpr,
                USE_TMA: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
-        offs_k, k, v, c_seg, shift = _key_block(K, V, C, C_SEG, stride_kt, stride_vt, stride_ct, anchor, kv_start,
-                                                seq_k, start_n, offs_n, offs_d, HEAD_DIM, BLOCK_D, MASKED,
-                                                HAS_SEQ_START, SEGMENT, USE_TMA)
+        offs_k, k, v, c_seg, shift = _key_block(K, V, C, C_SEG, 0, stride_kt, stride_vt, stride_ct, anchor,
+                                                kv_start, seq_k, start_n, offs_n, offs_d, HEAD_DIM, BLOCK_D, MASKED,
+                                                HAS_SEQ_START, SEGMENT, USE_TMA, False)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - (c_seg + shift)[None, :]
         if MASKED:
             s = tl.where(q_pos[:, None] >= offs_k[None, :], s, float("-inf"))
@@ -433,15 +450,15 @@ def _bwd_kv_kernel(Q, K, V, C, DO, LSE, DELTA, DK, DV, DC, CU_SEQLENS, SEQ_START
 
 
 @triton.jit
-def _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, C_SEG, stride_kt, stride_vt, stride_ct, anchor, q_pos,
-                 kv_start, seq_k, qk_scale, lo, hi, offs_n, offs_d,
+def _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, C_SEG, bias_origin, stride_kt, stride_vt, stride_ct,
+                 anchor, q_pos, kv_start, seq_k, qk_scale, lo, hi, offs_n, offs_d,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                  HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, SEGMENT: tl.constexpr,
-                 USE_TMA: tl.constexpr):
+                 USE_TMA: tl.constexpr, BIAS_TMA: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
-        offs_k, k, v, c_seg, shift = _key_block(K, V, C, C_SEG, stride_kt, stride_vt, stride_ct, anchor, kv_start,
-                                                seq_k, start_n, offs_n, offs_d, HEAD_DIM, BLOCK_D, MASKED,
-                                                HAS_SEQ_START, SEGMENT, USE_TMA)
+        offs_k, k, v, c_seg, shift = _key_block(K, V, C, C_SEG, bias_origin, stride_kt, stride_vt, stride_ct, anchor,
+                                                kv_start, seq_k, start_n, offs_n, offs_d, HEAD_DIM, BLOCK_D, MASKED,
+                                                HAS_SEQ_START, SEGMENT, USE_TMA, BIAS_TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale + (q_row - shift)[:, None] - c_seg[None, :]
         if MASKED:
             s = tl.where(q_pos[:, None] >= offs_k[None, :], s, float("-inf"))
@@ -462,7 +479,7 @@ def _bwd_q_kernel(Q, K, V, C, C_SEG, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, 
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
                   HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
                   SEARCH_WIDTH: tl.constexpr, ALL_HEADS: tl.constexpr, SEGMENT: tl.constexpr,
-                  USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  USE_TMA: tl.constexpr, BIAS_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(max_seqlen_q, BLOCK_M)
     bh, heavy_rank = _heaviest_first(pid, num_m, ALL_HEADS)
@@ -478,7 +495,7 @@ def _bwd_q_kernel(Q, K, V, C, C_SEG, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, 
     V = _row_tiles(V + batch * stride_vb + bos * stride_vt + (h // group) * stride_vh, seq_k, stride_vt, HEAD_DIM,
                    BLOCK_N, BLOCK_D, USE_TMA)
     C += batch * stride_cb + bos * stride_ct + h * stride_ch
-    C_SEG += batch * stride_cb + bos * stride_ct + h * stride_ch
+    C_SEG, bias_origin = _bias_source(C_SEG + batch * stride_cb + h * stride_ch, bos, seq_k, BLOCK_N, BIAS_TMA)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -506,12 +523,14 @@ def _bwd_q_kernel(Q, K, V, C, C_SEG, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, 
     # The diagonal first, known to run at least once, as in the forward (keeps ptxas from serializing the wgmma).
     diag_hi = tl.maximum(hi, diag_lo + BLOCK_N)
     tl.assume(diag_hi > diag_lo)
-    dq, row_err = _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, C_SEG, stride_kt, stride_vt, stride_ct,
-                               anchor, q_pos, kv_start, seq_k, qk_scale, diag_lo, diag_hi, offs_n, offs_d,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_SEQ_START, DOT_PRECISION, SEGMENT, USE_TMA)
-    dq, row_err = _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, C_SEG, stride_kt, stride_vt, stride_ct,
-                               anchor, q_pos, kv_start, seq_k, qk_scale, lo, diag_lo, offs_n, offs_d,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_SEQ_START, DOT_PRECISION, SEGMENT, USE_TMA)
+    dq, row_err = _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, C_SEG, bias_origin, stride_kt, stride_vt,
+                               stride_ct, anchor, q_pos, kv_start, seq_k, qk_scale, diag_lo, diag_hi, offs_n, offs_d,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_SEQ_START, DOT_PRECISION, SEGMENT, USE_TMA,
+                               BIAS_TMA)
+    dq, row_err = _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, C_SEG, bias_origin, stride_kt, stride_vt,
+                               stride_ct, anchor, q_pos, kv_start, seq_k, qk_scale, lo, diag_lo, offs_n, offs_d,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_SEQ_START, DOT_PRECISION, SEGMENT, USE_TMA,
+                               BIAS_TMA)
     _store_tile(DQ + batch * stride_dqb + bos * stride_dqt + h * stride_dqh, dq * sm_scale, offs_m, seq_q,
                 stride_dqt, offs_d, HEAD_DIM)
     # sum_j dS_ij = sum_j P_ij dP_ij - delta_i: zero for the exact delta, but delta comes from the output rounded
@@ -624,6 +643,17 @@ def _use_tma(*tensors):
     if isinstance(current, _allocation.NullAllocator):
         triton.set_allocator(_scratch)
     return True
+
+
+def _bias_tma_pays(pruned, block_d):
+    """Whether the dQ loop loads its key biases through a TMA descriptor (`_bias_source`) rather than pointers: only
+    for the pruned kernel at head dim 64, whose main loop spilled the 64-bit addresses of the pointer loads (23
+    local-memory accesses per iteration, 9 through TMA; `benchmarks/kernel_resources.py --prune`): on an H100 at 16k
+    that pass ran 9% faster on the ACP gate mix and 2% on open gates. Elsewhere it did not pay: unpruned D64 dQ 2%
+    faster at 16k but 3% slower at 4k, D128 dQ 2-4% slower, the forward 1-4% slower
+    (`benchmarks/results/bias_tma_ab_*.json`, `delta_in_dq_ab_*.json`). Needs `_use_tma`'s
+    conditions on the key biases and 16-byte aligned tile starts, which packed sequences (any start) do not give."""
+    return pruned and block_d <= 64
 
 
 @functools.lru_cache
@@ -762,6 +792,7 @@ def triton_attention_backward(do, q, k, v, out, lse, c, key_bias, sm_scale, cu_s
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *c_strides,
         *cfg["bound_strides"], Tq, Tk, cfg["max_q"], Hq, cfg["group"], cfg["tune_seqlen"], sm_scale * LOG2E,
         sm_scale, cfg["log_eps"], SEGMENT=SEGMENT, USE_TMA=_use_tma(k, v),
+        BIAS_TMA=_bias_tma_pays(prune_eps is not None, cfg["block_d"]) and cu_seqlens is None and _use_tma(key_bias),
         **common,
     )
     delta += delta_err
