@@ -176,8 +176,8 @@ def main():
                     if "USE_TMA" in fn.arg_names:
                         constexprs["USE_TMA"] = args.loads == "tma"
                     if "BIAS_TMA" in fn.arg_names:
-                        constexprs["BIAS_TMA"] = (args.loads == "tma" and args.layout != "packed"
-                                                  and ta._bias_tma_pays(prune, head_dim))
+                        constexprs["BIAS_TMA"] = args.loads == "tma" and ta._dq_bias_tma(prune, head_dim,
+                                                                                          args.layout == "packed")
                     compiled = compile_kernel(fn, constexprs, config.num_warps, config.num_stages, args.arch)
                     usage, loop = resource_usage(compiled), main_loop(compiled)
                     print(f"| {name} | {head_dim} | {config.kwargs['BLOCK_M']} x {config.kwargs['BLOCK_N']} | "

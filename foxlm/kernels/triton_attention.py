@@ -25,7 +25,7 @@ Design (fox-reference.md §3-4):
 - On Hopper and newer, the forward and dQ loops load K/V through TMA descriptors made per program (`_row_tiles`:
   the copy engine computes addresses and zero-fills rows past the sequence and columns past head_dim, as the
   pointer tiles' masks do, so both paths give bit-identical results); the pruned D64 dQ loop loads its key biases
-  that way too (`_bias_source`, `_bias_tma_pays`).
+  that way too (`_bias_source`, `_dq_bias_tma`).
 - Adaptive Computation Pruning (fox-reference.md §5), when `prune_eps` is given: a tile with first query i0
   and last key j1 has every bias `<= c_i0 - c_j1`, and is skipped when that is below `delta = log eps - 2U - log L`
   (then each query loses at most eps of its attention mass). c is monotone, so the kept key blocks of a query block
@@ -645,15 +645,15 @@ def _use_tma(*tensors):
     return True
 
 
-def _bias_tma_pays(pruned, block_d):
-    """Whether the dQ loop loads its key biases through a TMA descriptor (`_bias_source`) rather than pointers: only
-    for the pruned kernel at head dim 64, whose main loop spilled the 64-bit addresses of the pointer loads (23
-    local-memory accesses per iteration, 9 through TMA; `benchmarks/kernel_resources.py --prune`): on an H100 at 16k
-    that pass ran 9% faster on the ACP gate mix and 2% on open gates. Elsewhere it did not pay: unpruned D64 dQ 2%
-    faster at 16k but 3% slower at 4k, D128 dQ 2-4% slower, the forward 1-4% slower
-    (`benchmarks/results/bias_tma_ab_*.json`, `delta_in_dq_ab_*.json`). Needs `_use_tma`'s
-    conditions on the key biases and 16-byte aligned tile starts, which packed sequences (any start) do not give."""
-    return pruned and block_d <= 64
+def _dq_bias_tma(pruned, block_d, packed):
+    """Whether the dQ loop loads its key biases through a TMA descriptor (`_bias_source`) rather than pointers, where
+    `_use_tma` allows it for them: only for the pruned kernel at head dim 64, whose main loop spilled the 64-bit
+    addresses of the pointer loads (23 local-memory accesses per iteration, 9 through TMA;
+    `benchmarks/kernel_resources.py --prune`): on an H100 at 16k that pass ran 9% faster on the ACP gate mix and 2%
+    on open gates. Elsewhere it did not pay: unpruned D64 dQ 2% faster at 16k but 3% slower at 4k, D128 dQ 2-4%
+    slower, the forward 1-4% slower (`benchmarks/results/bias_tma_ab_*.json`, `delta_in_dq_ab_*.json`). Never for packed sequences: a descriptor's
+    tile must start 16-byte aligned, and their sequences start anywhere."""
+    return pruned and block_d <= 64 and not packed
 
 
 @functools.lru_cache
@@ -792,7 +792,7 @@ def triton_attention_backward(do, q, k, v, out, lse, c, key_bias, sm_scale, cu_s
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *c_strides,
         *cfg["bound_strides"], Tq, Tk, cfg["max_q"], Hq, cfg["group"], cfg["tune_seqlen"], sm_scale * LOG2E,
         sm_scale, cfg["log_eps"], SEGMENT=SEGMENT, USE_TMA=_use_tma(k, v),
-        BIAS_TMA=_bias_tma_pays(prune_eps is not None, cfg["block_d"]) and cu_seqlens is None and _use_tma(key_bias),
+        BIAS_TMA=_dq_bias_tma(prune_eps is not None, cfg["block_d"], cu_seqlens is not None) and _use_tma(key_bias),
         **common,
     )
     delta += delta_err
