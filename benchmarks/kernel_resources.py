@@ -39,8 +39,8 @@ KERNELS = {  # name: (jit function, autotune table)
     "dkdv": (ta._bwd_kv_kernel, ta._BWD_KV_CONFIGS),
 }
 POINTER_DTYPES = {"C": torch.float64, "C_SEG": torch.float32, "LSE": torch.float32, "DELTA": torch.float32,
-                  "DELTA_ERR": torch.float32, "DC": torch.float32, "BOUND": torch.float32, "CU_SEQLENS": torch.int32,
-                  "SEQ_START": torch.int32, "PRUNED": torch.int32}  # the rest (q, k, v, o and their gradients) bf16
+                  "DELTA_CORRECTED": torch.float32, "DC": torch.float32, "BOUND": torch.float32,
+                  "CU_SEQLENS": torch.int32, "SEQ_START": torch.int32, "PRUNED": torch.int32}  # the rest (q, k, v, o and their gradients) bf16
 FLOAT_ARGS = {"qk_scale": 0.125 * 1.4427, "sm_scale": 0.125, "log_eps": -10.0}
 
 
@@ -167,7 +167,6 @@ def main():
                     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, IS_VARLEN=args.layout == "packed",
                                       HAS_SEQ_START=args.layout == "padded",
                                       DOT_PRECISION="tf32", PRUNE=prune, SEARCH_WIDTH=ta.SEARCH_WIDTH,
-                                      ALL_HEADS=ta._spread_heads(prune, 1, head_dim),
                                       **config.kwargs)
                     if "COUNT_PRUNED" in fn.arg_names:
                         constexprs["COUNT_PRUNED"] = False
@@ -178,7 +177,11 @@ def main():
                     if "BIAS_TMA" in fn.arg_names:
                         constexprs["BIAS_TMA"] = args.loads == "tma" and ta._dq_bias_tma(prune, head_dim,
                                                                                           args.layout == "packed")
-                    compiled = compile_kernel(fn, constexprs, config.num_warps, config.num_stages, args.arch)
+                    arguments = launch_arguments(fn, head_dim)
+                    # dK/dV programs walk (sequence, KV head) pairs: with a group of 1 as many as the query heads'.
+                    arguments["head_group"] = ta._head_group(prune, 1, head_dim, arguments["num_heads"])
+                    compiled = compile_kernel(fn, constexprs, config.num_warps, config.num_stages, args.arch,
+                                              arguments)
                     usage, loop = resource_usage(compiled), main_loop(compiled)
                     print(f"| {name} | {head_dim} | {config.kwargs['BLOCK_M']} x {config.kwargs['BLOCK_N']} | "
                           f"{config.num_warps} | {config.num_stages} | {prune} | {usage['REG']} | {usage['STACK']} | "

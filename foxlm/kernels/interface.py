@@ -18,9 +18,10 @@ from .acp import measured_score_bound, record_pruned_counts, recording_pruned_co
 from .reference import fgate_cumsum_from_log_fgate, forgetting_attention_reference, packed_token_bounds
 
 try:
-    from .triton_attention import triton_attention_backward, triton_attention_forward
+    from .triton_attention import (triton_attention_backward, triton_attention_forward, triton_gate_cumsum,
+                                   triton_gate_gradient)
 except ImportError:  # no Triton (CPU-only torch builds, remote code on such machines)
-    triton_attention_forward = triton_attention_backward = None
+    triton_attention_forward = triton_attention_backward = triton_gate_cumsum = triton_gate_gradient = None
 
 logger = logging.getLogger(__name__)
 
@@ -217,20 +218,20 @@ def forgetting_attention(
 
 
 def _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start):
-    """c in float64, laid out (B, Hq, Tk) with unit stride along Tk: the kernels read c as contiguous vectors and
-    subtract float64 anchors from it (fox-reference.md §4). Always a new tensor: the forward op returns it, and an
-    op's output may not alias its input (a float64 cumsum given in that layout would otherwise come back as is)."""
+    """c in float64, laid out (B, Hq, Tk), for the reference backward (the Triton path has `triton_gate_cumsum`)."""
     if gate_is_cumsum:
         return gate.transpose(1, 2).to(torch.float64, memory_format=torch.contiguous_format, copy=True)
     return fgate_cumsum_from_log_fgate(gate, cu_seqlens=cu_seqlens, seq_start=seq_start).transpose(1, 2).contiguous()
 
 
-def _gate_gradient(dc, gate_is_cumsum, cu_seqlens, seq_start):
-    """dL/d(gate), (B, Tk, Hq), from dL/dc laid out (B, Hq, Tk): dc itself, or for log f the reverse cumsum
-    `d log f_t = sum_{k>=t} dc_k` within each sequence, summed directly in float64 (never `total - prefix` in fp32).
-    """
+def _gate_gradient(dc, gate, gate_is_cumsum, cu_seqlens, seq_start, use_triton):
+    """dL/d(gate), (B, Tk, Hq) in the gate's dtype, from dL/dc laid out (B, Hq, Tk): dc itself, or for log f the
+    reverse cumsum `d log f_t = sum_{k>=t} dc_k` within each sequence, summed directly in float64 (never
+    `total - prefix` in fp32): one launch on the Triton path (`triton_gate_gradient`), torch ops otherwise."""
     if gate_is_cumsum:
-        return dc.transpose(1, 2)
+        return dc.transpose(1, 2).to(gate.dtype)
+    if use_triton:
+        return triton_gate_gradient(dc, gate.dtype, cu_seqlens, seq_start)
     suffix = dc.double().flip(-1).cumsum(-1).flip(-1)
     if cu_seqlens is not None:
         # Remove what lies beyond each token's own sequence (float64; ~0 anyway, every sequence's dc sums to 0).
@@ -239,7 +240,7 @@ def _gate_gradient(dc, gate_is_cumsum, cu_seqlens, seq_start):
     if seq_start is not None:
         positions = torch.arange(dc.shape[2], device=dc.device)
         suffix = suffix.masked_fill(positions < seq_start[:, None, None], 0.0)
-    return suffix.transpose(1, 2)
+    return suffix.transpose(1, 2).to(gate.dtype)
 
 
 def _reference_backward(do, q, k, v, c, sm_scale, seq_start):
@@ -299,10 +300,10 @@ def _forgetting_attention_op(
     kept for the backward so that it does not compute them again; empty on the reference path."""
     counts = q.new_empty(_counts_shape(q, count_pruned), dtype=torch.int32)
     if use_triton:
-        c = _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
         with on_device_of(q):
-            out, lse, key_bias = triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens, max_seqlen, seq_start,
-                                                          prune_eps, score_bound, counts if count_pruned else None)
+            c, key_bias = triton_gate_cumsum(gate, gate_is_cumsum, cu_seqlens, seq_start)
+            out, lse = triton_attention_forward(q, k, v, c, key_bias, sm_scale, cu_seqlens, max_seqlen, seq_start,
+                                                prune_eps, score_bound, counts if count_pruned else None)
         return out, lse, counts, c, key_bias
     gates = dict(fgate_cumsum=gate) if gate_is_cumsum else dict(log_fgate=gate)
     out = forgetting_attention_reference(q, k, v, **gates, sm_scale=sm_scale, cu_seqlens=cu_seqlens,
@@ -336,6 +337,7 @@ def _forgetting_attention_backward_op(
         with on_device_of(q):
             dq, dk, dv, dc = triton_attention_backward(do, q, k, v, out, lse, c, key_bias, sm_scale, cu_seqlens,
                                                        max_seqlen, seq_start, prune_eps, score_bound)
+            dgate = _gate_gradient(dc, gate, gate_is_cumsum, cu_seqlens, seq_start, True)
     else:  # the reference path returns no c from the forward
         c = _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
         if cu_seqlens is None:
@@ -345,8 +347,8 @@ def _forgetting_attention_backward_op(
             pieces = [_reference_backward(do[:, s:e], q[:, s:e], k[:, s:e], v[:, s:e], c[..., s:e], sm_scale, None)
                       for s, e in zip(bounds[:-1], bounds[1:])]
             dq, dk, dv, dc = (torch.cat(parts, dim=dim) for parts, dim in zip(zip(*pieces), (1, 1, 1, 2)))
-    dgate = _gate_gradient(dc, gate_is_cumsum, cu_seqlens, seq_start)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dgate.to(gate.dtype).contiguous()
+        dgate = _gate_gradient(dc, gate, gate_is_cumsum, cu_seqlens, seq_start, False)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dgate.contiguous()
 
 
 @_forgetting_attention_backward_op.register_fake

@@ -8,7 +8,7 @@ Design (fox-reference.md §3-4):
 - No catastrophic cancellation: c is kept in float64 in memory (O(T) bytes) and every program subtracts a float64
   anchor (the c of its first query or key) before rounding to fp32, so `c_i - c_j` stays exact to fp32 precision
   however large |c| grows at long T with strong decay. The key biases that the forward and dQ main loops walk over
-  come in two parts instead (`_segment_bias`): `c_j - c_s` in fp32, s the first key of j's SEGMENT-long segment,
+  come in two parts instead (`triton_gate_cumsum`): `c_j - c_s` in fp32, s the first key of j's SEGMENT-long segment,
   and `c_s - anchor`, one float64 subtraction per key block, not one per key (8% off the D64 forward on an H100).
 - The softmax ignores per-row constants, so the forward tracks its running max on `s - c_j` and adds `c_i` back only
   into the stored log-sum-exp.
@@ -16,12 +16,14 @@ Design (fox-reference.md §3-4):
   get LSE +inf, so off-diagonal blocks need no element-wise mask; only diagonal blocks (their own loop stage) do.
   The dK/dV pass also runs the last, partial query block apart, so that its main loop has no row mask at all.
 - Backward, two passes and no atomics (deterministic): the query-stationary dQ pass runs first and also returns
-  `sum_j dS_ij`, which is exactly the error of delta = rowsum(o * do) taken from the rounded output; the
+  delta = rowsum(o * do) plus `sum_j dS_ij`, which is exactly its error when taken from the rounded output; the
   key-stationary dK/dV pass then uses the corrected delta. dK/dV programs loop over the query heads of their GQA group,
   so dK/dV are reduced in registers (no per-query-head copy), and they own `dc_j = -sum_i dS_ij` (the row sums of dS
   vanish, fox-reference.md §3); `d log f` is then a float64 reverse cumsum.
+- c and the key biases come from one float64 scan launch over the gates (`triton_gate_cumsum`), d log f from one
+  reverse scan (`triton_gate_gradient`), in place of a dozen small torch ops (casts, scans, flips, gathers).
 - 1-D grids (no 65535 limit on y/z), 64-bit base offsets, heavy blocks launched first (`_heaviest_first`), of
-  all heads at once or head by head (`_spread_heads`).
+  all heads at once or of a few heads at a time (`_head_group`).
 - On Hopper and newer, the forward and dQ loops load K/V through TMA descriptors made per program (`_row_tiles`:
   the copy engine computes addresses and zero-fills rows past the sequence and columns past head_dim, as the
   pointer tiles' masks do, so both paths give bit-identical results); the pruned D64 dQ loop loads its key biases
@@ -52,9 +54,9 @@ LOG2E = 1.4426950408889634
 # Candidates per round of the pruning boundary search: 32^2 blocks (64k keys at 64-key blocks) in two rounds.
 SEARCH_WIDTH = 32
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Keys per segment of `_segment_bias`: every key block of the forward and dQ passes lies in one segment, so it is a
-# multiple of their BLOCK_N. The interpreter's small blocks get short segments, so that small test shapes cross
-# segment boundaries.
+# Keys per segment of the key biases (`triton_gate_cumsum`): every key block of the forward and dQ passes lies in
+# one segment, so it is a multiple of their BLOCK_N. The interpreter's small blocks get short segments, so that small
+# test shapes cross segment boundaries.
 SEGMENT = 32 if _INTERPRET else 128
 # The forward and dQ main loops load K/V tiles through TMA descriptors where `_use_tma` allows: fewer instructions
 # and registers than pointer tiles (D64 at 16k on an H100: forward -3%, dQ -11%). The dK/dV loop keeps pointer tiles
@@ -148,17 +150,17 @@ def _sequence(CU_SEQLENS, SEQ_START, b, Tq, Tk, IS_VARLEN: tl.constexpr, HAS_SEQ
 
 
 @triton.jit
-def _heaviest_first(pid, num_blocks, ALL_HEADS: tl.constexpr):
-    """(sequence * heads + head, i) of program `pid`, i = 0 for the block with the most causal work. ALL_HEADS: the
-    heavy blocks of every (sequence, head) pair go first, so the scheduler's last programs are the short ones of all
-    heads (list scheduling); otherwise head by head, heavy first within each head."""
-    if ALL_HEADS:
-        num_bh = tl.num_programs(0) // num_blocks
-        return pid % num_bh, pid // num_bh
-    else:
-        # Not `pid % num_blocks`: with that form ptxas (Triton 3.6, sm_90) serialized the packed D128 dK/dV wgmma.
-        bh = pid // num_blocks
-        return bh, pid - bh * num_blocks
+def _heaviest_first(pid, num_blocks, head_group):
+    """(sequence * heads + head, i) of program `pid`, i = 0 for the block with the most causal work. The (sequence,
+    head) pairs go in groups of `head_group` (the last group may be smaller), and within a group the heavy blocks of
+    all its pairs go first, so the scheduler's last programs are short ones (list scheduling). 1: head by head."""
+    per_group = head_group * num_blocks
+    g = pid // per_group
+    size = tl.minimum(head_group, tl.num_programs(0) // num_blocks - g * head_group)
+    # Subtractions, not `%`: with `pid % num_blocks` ptxas (Triton 3.6, sm_90) serialized the packed D128 dK/dV wgmma.
+    r = pid - g * per_group
+    rank = r // size
+    return g * head_group + (r - rank * size), rank
 
 
 @triton.jit
@@ -205,8 +207,8 @@ def _first_kept_key(C, stride_ct, c_first_q, delta, lo, first_q, BLOCK_N: tl.con
 
 @triton.jit
 def _segment_shift(C, stride_ct, pos, anchor, SEGMENT: tl.constexpr):
-    """(c_s - anchor) * log2(e) in fp32, s the first position of pos's segment: added to `_segment_bias` values it
-    gives the log2-domain bias of a position against the anchor."""
+    """(c_s - anchor) * log2(e) in fp32, s the first position of pos's segment: added to the key biases of
+    `triton_gate_cumsum` it gives the log2-domain bias of a position against the anchor."""
     c_s = tl.load(C + tl.cast(pos // SEGMENT * SEGMENT, tl.int64) * stride_ct)
     return ((c_s - anchor) * 1.4426950408889634).to(tl.float32)
 
@@ -262,14 +264,14 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, C, C_SEG, stride_kt, stride_vt, stride_ct
 def _fwd_kernel(Q, K, V, C, C_SEG, O, LSE, CU_SEQLENS, SEQ_START, BOUND, PRUNED,
                 stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 stride_ob, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_ub, stride_uh,
-                Tq, Tk, max_seqlen_q, num_heads, group, tune_seqlen, qk_scale, log_eps,
+                Tq, Tk, max_seqlen_q, num_heads, group, head_group, tune_seqlen, qk_scale, log_eps,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
                 HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
-                COUNT_PRUNED: tl.constexpr, SEARCH_WIDTH: tl.constexpr, ALL_HEADS: tl.constexpr,
+                COUNT_PRUNED: tl.constexpr, SEARCH_WIDTH: tl.constexpr,
                 SEGMENT: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(max_seqlen_q, BLOCK_M)
-    bh, heavy_rank = _heaviest_first(pid, num_m, ALL_HEADS)
+    bh, heavy_rank = _heaviest_first(pid, num_m, head_group)
     start_m = (num_m - 1 - heavy_rank) * BLOCK_M  # the longest causal rows first
     b = bh // num_heads
     h = bh % num_heads
@@ -382,14 +384,14 @@ def _bwd_kv_kernel(Q, K, V, C, DO, LSE, DELTA, DK, DV, DC, CU_SEQLENS, SEQ_START
                    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh,
                    stride_dvb, stride_dvt, stride_dvh, stride_cb, stride_ct, stride_ch, stride_ub, stride_uh,
-                   Tq, Tk, max_seqlen_k, num_heads, group, tune_seqlen, qk_scale, sm_scale, log_eps,
+                   Tq, Tk, max_seqlen_k, num_heads, group, head_group, tune_seqlen, qk_scale, sm_scale, log_eps,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
                    HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
-                   SEARCH_WIDTH: tl.constexpr, ALL_HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   SEARCH_WIDTH: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_n = tl.cdiv(max_seqlen_k, BLOCK_N)
-    bh, heavy_rank = _heaviest_first(pid, num_n, ALL_HEADS)
+    bh, heavy_rank = _heaviest_first(pid, num_n, head_group)
     start_n = heavy_rank * BLOCK_N  # the earliest keys, seen by the most queries, first
     num_kv_heads = num_heads // group
     b = bh // num_kv_heads
@@ -471,18 +473,18 @@ def _bwd_q_inner(dq, row_err, q, do, q_row, delta, K, V, C, C_SEG, bias_origin, 
 
 
 @triton.jit
-def _bwd_q_kernel(Q, K, V, C, C_SEG, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, SEQ_START, BOUND,
+def _bwd_q_kernel(Q, K, V, C, C_SEG, DO, LSE, DELTA, DQ, DELTA_CORRECTED, CU_SEQLENS, SEQ_START, BOUND,
                   stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
                   stride_cb, stride_ct, stride_ch, stride_ub, stride_uh,
-                  Tq, Tk, max_seqlen_q, num_heads, group, tune_seqlen, qk_scale, sm_scale, log_eps,
+                  Tq, Tk, max_seqlen_q, num_heads, group, head_group, tune_seqlen, qk_scale, sm_scale, log_eps,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
                   HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
-                  SEARCH_WIDTH: tl.constexpr, ALL_HEADS: tl.constexpr, SEGMENT: tl.constexpr,
+                  SEARCH_WIDTH: tl.constexpr, SEGMENT: tl.constexpr,
                   USE_TMA: tl.constexpr, BIAS_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(max_seqlen_q, BLOCK_M)
-    bh, heavy_rank = _heaviest_first(pid, num_m, ALL_HEADS)
+    bh, heavy_rank = _heaviest_first(pid, num_m, head_group)
     start_m = (num_m - 1 - heavy_rank) * BLOCK_M  # the longest causal rows first
     b = bh // num_heads
     h = bh % num_heads
@@ -535,8 +537,106 @@ def _bwd_q_kernel(Q, K, V, C, C_SEG, DO, LSE, DELTA, DQ, DELTA_ERR, CU_SEQLENS, 
                 stride_dqt, offs_d, HEAD_DIM)
     # sum_j dS_ij = sum_j P_ij dP_ij - delta_i: zero for the exact delta, but delta comes from the output rounded
     # to bf16. The dK/dV pass, launched next, uses the corrected delta, so dK and the column sums of dS (hence
-    # d log f) do not inherit that rounding; it matters where P is nearly one-hot (strong decay).
-    tl.store(DELTA_ERR + row + offs_m, row_err, mask=valid_m)
+    # d log f) do not inherit that rounding; it matters where P is nearly one-hot (strong decay). Stored apart, not
+    # over delta: the autotuner runs a launch several times, and each run must see the same inputs.
+    tl.store(DELTA_CORRECTED + row + offs_m, delta + row_err, mask=valid_m)
+
+
+
+@triton.jit
+def _combine_segmented(value_a, restart_a, value_b, restart_b):
+    """Addition that restarts where a segment does: (a then b) sums both unless b holds a restart."""
+    return tl.where(restart_b, value_b, value_a + value_b), restart_a | restart_b
+
+
+@triton.jit
+def _scan_row(X, row, num_heads, stride_xb, stride_xh, SEQ_START, HAS_SEQ_START: tl.constexpr):
+    """(row base of X, first valid position) of (batch * heads + head) row `row`."""
+    b = row // num_heads
+    kv_start = tl.load(SEQ_START + b) if HAS_SEQ_START else 0
+    return X + b.to(tl.int64) * stride_xb + (row % num_heads) * stride_xh, kv_start
+
+
+@triton.jit
+def _scan_input(X, u, T, stride_xt, kv_start, REVERSE: tl.constexpr, HAS_SEQ_START: tl.constexpr):
+    """x at scan positions u (time T - 1 - u when REVERSE) in float64, 0 outside [0, T) and, forward, before
+    kv_start (left padding: log f = 0 there)."""
+    t = T - 1 - u if REVERSE else u
+    x = tl.load(X + t.to(tl.int64) * stride_xt, mask=(u >= 0) & (u < T), other=0.0).to(tl.float64)
+    if HAS_SEQ_START and not REVERSE:
+        x = tl.where(t >= kv_start, x, 0.0)
+    return x
+
+
+@triton.jit
+def _gate_chunk_sums_kernel(X, SUMS, SEQ_START, T, num_heads, n_chunks, stride_xb, stride_xh, stride_xt,
+                            REVERSE: tl.constexpr, HAS_SEQ_START: tl.constexpr, CHUNK: tl.constexpr):
+    """First pass of `_gate_scan_kernel`: the float64 sum of every CHUNK positions of every row."""
+    pid = tl.program_id(0)
+    row = pid // n_chunks
+    X, kv_start = _scan_row(X, row, num_heads, stride_xb, stride_xh, SEQ_START, HAS_SEQ_START)
+    u = (pid - row * n_chunks) * CHUNK + tl.arange(0, CHUNK)
+    tl.store(SUMS + pid, tl.sum(_scan_input(X, u, T, stride_xt, kv_start, REVERSE, HAS_SEQ_START), 0))
+
+
+@triton.jit
+def _gate_scan_kernel(X, Y, Y_SEG, SUMS, FIRST, SEQ_START, T, num_heads, n_chunks, stride_xb, stride_xh, stride_xt,
+                      stride_yb, stride_yh, stride_yt, CUMSUM_GIVEN: tl.constexpr, REVERSE: tl.constexpr,
+                      IS_VARLEN: tl.constexpr, HAS_SEQ_START: tl.constexpr, SEGMENT: tl.constexpr,
+                      CHUNK: tl.constexpr, SUMS_BLOCK: tl.constexpr):
+    """A float64 scan along time of CHUNK positions of one (batch, head) row, restarting at each packed sequence
+    (FIRST: the first position of each token's sequence in scan order); what precedes the chunk comes from the
+    chunk sums of the first pass. Forward: Y = c, the cumsum of log f X (X itself when CUMSUM_GIVEN; log f = 0
+    before SEQ_START), and Y_SEG = `(c_t - c_s) * log2(e)` in fp32, s the first position of t's segment
+    (`_key_block`). REVERSE: Y = the suffix sums of X (d log f from dL/dc), zero before SEQ_START."""
+    pid = tl.program_id(0)
+    row = pid // n_chunks
+    chunk = pid - row * n_chunks
+    X, kv_start = _scan_row(X, row, num_heads, stride_xb, stride_xh, SEQ_START, HAS_SEQ_START)
+    Y += (row // num_heads).to(tl.int64) * stride_yb + (row % num_heads) * stride_yh
+    Y_SEG += (row // num_heads).to(tl.int64) * stride_yb + (row % num_heads) * stride_yh
+    u0 = chunk * CHUNK
+    u = u0 + tl.arange(0, CHUNK)  # scan order; time t = T - 1 - u when REVERSE
+    t = T - 1 - u if REVERSE else u
+    valid = u < T
+    x = _scan_input(X, u, T, stride_xt, kv_start, REVERSE, HAS_SEQ_START)
+    if IS_VARLEN:
+        first = tl.load(FIRST + t, mask=valid, other=0)
+        first0 = tl.load(FIRST + (T - 1 - u0 if REVERSE else u0))
+        if REVERSE:
+            first, first0 = T - 1 - first, T - 1 - first0
+    else:
+        first, first0 = 0, 0
+    if CUMSUM_GIVEN:  # forward only: c is X, and c_s is read where it lies
+        y = x
+        key = x - tl.load(X + (u - (u - first) % SEGMENT).to(tl.int64) * stride_xt, mask=valid, other=0.0)
+    else:
+        # Carry into the chunk: the sum from the start of its first position's sequence, whole chunks by their
+        # sums less the part of the first one before that start.
+        carry = tl.zeros([], tl.float64)
+        for j in range(first0 // CHUNK, chunk, SUMS_BLOCK):
+            js = j + tl.arange(0, SUMS_BLOCK)
+            carry += tl.sum(tl.load(SUMS + row * n_chunks + js, mask=js < chunk, other=0.0), 0)
+        if IS_VARLEN:
+            before = first0 // CHUNK * CHUNK + tl.arange(0, CHUNK)
+            x_before = _scan_input(X, before, T, stride_xt, kv_start, REVERSE, HAS_SEQ_START)
+            carry -= tl.sum(tl.where(before < first0, x_before, 0.0), 0)
+        y, restarted = tl.associative_scan((x, u == first), 0, _combine_segmented)
+        y = tl.where(restarted, y, y + carry)
+        if not REVERSE:
+            # Key biases: sums since the segment start (excluded), carried from the segment's part before u0.
+            segment_start = (u - first) % SEGMENT == 0
+            key, restarted = tl.associative_scan((tl.where(segment_start, 0.0, x), segment_start), 0,
+                                                 _combine_segmented)
+            behind = u0 - 1 - tl.arange(0, SEGMENT)
+            x_behind = _scan_input(X, behind, T, stride_xt, kv_start, REVERSE, HAS_SEQ_START)
+            carry_seg = tl.sum(tl.where(behind > u0 - (u0 - first0) % SEGMENT, x_behind, 0.0), 0)
+            key = tl.where(restarted, key, key + carry_seg)
+    if HAS_SEQ_START and REVERSE:
+        y = tl.where(t >= kv_start, y, 0.0)
+    tl.store(Y + t.to(tl.int64) * stride_yt, y.to(Y.dtype.element_ty), mask=valid)
+    if not REVERSE:
+        tl.store(Y_SEG + t.to(tl.int64) * stride_yt, (key * 1.4426950408889634).to(tl.float32), mask=valid)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -665,36 +765,69 @@ def _scratch(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cpu" if _INTERPRET else "cuda")  # the launch's current device
 
 
-def _segment_bias(c, cu_seqlens):
-    """`(c_t - c_s) * log2(e)` in fp32, laid out as c (B, H, T), s the first position of t's segment: SEGMENT
-    positions counted from each sequence's start. Exact to fp32 precision of values bounded by SEGMENT * max|log f|;
-    the kernels add `c_s - anchor` back once per key block (`_segment_shift`)."""
-    dense = cu_seqlens is None
-    # The cached index must not come from a CUDA graph's private memory pool (a capture's first call).
-    if dense and not (c.is_cuda and torch.cuda.is_current_stream_capturing()):
-        segment_start = _dense_segment_starts(c.shape[-1], c.device)
-    else:
-        positions = torch.arange(c.shape[-1], device=c.device)
-        start = 0 if dense else packed_token_bounds(cu_seqlens, c.shape[-1])[0]
-        segment_start = start + (positions - start) // SEGMENT * SEGMENT
-    return (c - c.index_select(-1, segment_start)).mul_(LOG2E).float()
+# Positions per program of the gate scans: every (row, chunk) is a program of each of two launches.
+_SCAN_CHUNK, _SCAN_WARPS = (32, 1) if _INTERPRET else (1024, 4)
 
 
-@functools.lru_cache(maxsize=16)
-def _dense_segment_starts(length, device):
-    """Segment starts of positions 0..length-1: a forward's host time at short lengths is mostly small launches
-    like these, so equal-length calls (every layer, every step) share one index."""
-    return torch.arange(length, device=device) // SEGMENT * SEGMENT
+def _gate_scan(x, x_strides, y, y_strides, y_seg, batch, heads, length, cu_seqlens, seq_start, cumsum_given, reverse):
+    """Launches the gate scan over the batch * heads rows of `length` positions: chunk sums, then the chunks'
+    scans (`_gate_scan_kernel`); strides are (batch, head, time) in elements, y_seg shares y's."""
+    if batch * heads * length == 0:
+        return
+    n_chunks = triton.cdiv(length, _SCAN_CHUNK)
+    grid = (batch * heads * n_chunks,)
+    sums = None
+    if not cumsum_given:
+        sums = torch.empty(grid[0], device=x.device, dtype=torch.float64)
+        _gate_chunk_sums_kernel[grid](x, sums, seq_start, length, heads, n_chunks, *x_strides, REVERSE=reverse,
+                                      HAS_SEQ_START=seq_start is not None, CHUNK=_SCAN_CHUNK, num_warps=_SCAN_WARPS)
+    first = None
+    if cu_seqlens is not None:
+        start, end = packed_token_bounds(cu_seqlens, length)
+        first = end - 1 if reverse else start
+    _gate_scan_kernel[grid](
+        x, y, y_seg, sums, first, seq_start, length, heads, n_chunks, *x_strides, *y_strides,
+        CUMSUM_GIVEN=cumsum_given, REVERSE=reverse, IS_VARLEN=cu_seqlens is not None,
+        HAS_SEQ_START=seq_start is not None, SEGMENT=SEGMENT, CHUNK=_SCAN_CHUNK, SUMS_BLOCK=128,
+        num_warps=_SCAN_WARPS,
+    )
 
 
-def _spread_heads(pruned, group, block_d):
-    """Whether a launch runs the heavy blocks of all (sequence, head) pairs first (`_heaviest_first`) rather than
-    head by head. Head by head, the heaviest blocks of the last heads start last, and the launch ends on them with
-    SMs idle: this costs where heads differ in work (pruning: up to 100x), where programs are few per head (GQA: a
-    dK/dV program loops over its group) and, measured, at head dim 64 (4-7% at 16k, 2-4% at 4k on an H100,
-    `benchmarks/results/head_order_ab_*.json`). Without those, at head dim 128 head by head was 3% faster at 16k
-    (the K/V of all heads in flight at once, with two pipeline stages to hide their misses)."""
-    return pruned or group > 1 or block_d <= 64
+def triton_gate_cumsum(gate, gate_is_cumsum, cu_seqlens=None, seq_start=None):
+    """(c, key_bias) for the kernels from a (B, T, H) gate, in one launch: c the float64 cumsum of log f (the gate
+    itself when `gate_is_cumsum`), restarted at each packed sequence, log f = 0 before `seq_start`; key_bias the fp32
+    `(c_t - c_s) * log2(e)`, s the first position of t's SEGMENT-long segment counted from its sequence's start (the
+    kernels add `c_s - anchor` back once per key block, `_segment_shift`). Both (B, H, T), unit stride along T."""
+    B, T, H = gate.shape
+    c = torch.empty(B, H, T, device=gate.device, dtype=torch.float64)
+    key_bias = torch.empty(B, H, T, device=gate.device, dtype=torch.float32)
+    _gate_scan(gate, (gate.stride(0), gate.stride(2), gate.stride(1)), c, c.stride(), key_bias, B, H, T, cu_seqlens,
+               seq_start, gate_is_cumsum, False)
+    return c, key_bias
+
+
+def triton_gate_gradient(dc, dtype, cu_seqlens=None, seq_start=None):
+    """d log f (B, T, H) in `dtype` from dL/dc (B, H, T), in one launch: `d log f_t = sum_{k >= t} dc_k` within t's
+    sequence, summed in float64 (never `total - prefix` in fp32), zero before `seq_start`."""
+    B, H, T = dc.shape
+    dgate = torch.empty(B, T, H, device=dc.device, dtype=dtype)
+    _gate_scan(dc, dc.stride(), dgate, (dgate.stride(0), dgate.stride(2), dgate.stride(1)), dgate, B, H, T,
+               cu_seqlens, seq_start, False, True)
+    return dgate
+
+
+def _head_group(pruned, group, block_d, num_bh):
+    """How many of the launch's `num_bh` (sequence, query head) pairs run their heavy blocks first together
+    (`_heaviest_first`). All of them: head by head, the heaviest blocks of the last heads start last, and the launch
+    ends on them with SMs idle; that costs where heads differ in work (pruning: up to 100x), where programs are few
+    per head (GQA: a dK/dV program loops over its group) and, measured, at head dim 64 (4-7% at 16k, 2-4% at 4k on an
+    H100, `benchmarks/results/head_order_ab_*.json`). At head dim 128 and more without GQA, the K/V of all heads in
+    flight at once (two pipeline stages to hide their misses) cost more: head by head was 3% faster at 16k, and with
+    pruning, pairs of heads kept most of the all-heads gain on the ACP gate mix while matching the unpruned speed on
+    open gates (`benchmarks/results/head_group_ab_*.json`)."""
+    if group > 1 or block_d <= 64:
+        return max(num_bh, 1)
+    return 2 if pruned else 1
 
 
 def _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
@@ -723,49 +856,45 @@ def _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
         dot_precision="ieee" if q.dtype == torch.float32 else "tf32",
         bound=bound, bound_strides=bound.stride(),
         log_eps=0.0 if prune_eps is None else math.log(prune_eps),
-        all_heads=_spread_heads(prune_eps is not None, group, block_d),
+        head_group=_head_group(prune_eps is not None, group, block_d, n_seqs * Hq),
     )
 
 
-def triton_attention_forward(q, k, v, c, sm_scale, cu_seqlens=None, max_seqlen=None, seq_start=None,
+def triton_attention_forward(q, k, v, c, key_bias, sm_scale, cu_seqlens=None, max_seqlen=None, seq_start=None,
                              prune_eps=None, score_bound=None, pruned_counts=None):
-    """Returns (out (B, Tq, Hq, D), lse (B, Hq, Tq) fp32 in the log2 domain, key_bias): key_bias are the key biases
-    the forward and dQ loops read (`_segment_bias`), for the backward. `c` is the float64 cumsum of log f laid out
-    (B, Hq, Tk) with unit stride along Tk. With `prune_eps`, tiles are pruned against `score_bound`
+    """Returns (out (B, Tq, Hq, D), lse (B, Hq, Tq) fp32 in the log2 domain). `c` and `key_bias` come from
+    `triton_gate_cumsum`. With `prune_eps`, tiles are pruned against `score_bound`
     (U >= |sm_scale q.k|, float32 broadcastable to (B, Hq)); `pruned_counts`, an int32 (B, Hq, Tq, 2) tensor, then
     receives each query row's (skipped keys, visible keys). The other arguments are those of
     `forgetting_attention`."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    c = c.contiguous()  # the kernels read c and its `_segment_bias` with the same strides
-    key_bias = _segment_bias(c, cu_seqlens)
     B, Tq, Hq, D = q.shape
     Tk = k.shape[1]
     cfg = _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
     if q.numel() == 0 or cfg["max_q"] == 0:
-        return out.zero_(), lse.fill_(float("inf")), key_bias
+        return out.zero_(), lse.fill_(float("inf"))
     grid = lambda meta: (triton.cdiv(cfg["max_q"], meta["BLOCK_M"]) * cfg["n_seqs"] * Hq,)  # noqa: E731
     _fwd[grid](
         q, k, v, c, key_bias, out, lse, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
         q.new_empty((1,), dtype=torch.int32) if pruned_counts is None else pruned_counts,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], c.stride(0), c.stride(2), c.stride(1),
-        *cfg["bound_strides"], Tq, Tk, cfg["max_q"], Hq, cfg["group"], cfg["tune_seqlen"], sm_scale * LOG2E,
-        cfg["log_eps"],
+        *cfg["bound_strides"], Tq, Tk, cfg["max_q"], Hq, cfg["group"], cfg["head_group"], cfg["tune_seqlen"],
+        sm_scale * LOG2E, cfg["log_eps"],
         HEAD_DIM=D, BLOCK_D=cfg["block_d"], IS_VARLEN=cu_seqlens is not None,
         HAS_SEQ_START=seq_start is not None, DOT_PRECISION=cfg["dot_precision"], PRUNE=prune_eps is not None,
-        COUNT_PRUNED=pruned_counts is not None, SEARCH_WIDTH=SEARCH_WIDTH, ALL_HEADS=cfg["all_heads"],
+        COUNT_PRUNED=pruned_counts is not None, SEARCH_WIDTH=SEARCH_WIDTH,
         SEGMENT=SEGMENT, USE_TMA=_use_tma(k, v),
     )
-    return out, lse, key_bias
+    return out, lse
 
 
 def triton_attention_backward(do, q, k, v, out, lse, c, key_bias, sm_scale, cu_seqlens=None, max_seqlen=None,
                               seq_start=None, prune_eps=None, score_bound=None):
-    """Returns (dq, dk, dv, dc) with dc = dL/dc of shape (B, Hq, Tk) in fp32; lse and key_bias as the forward
-    returned them."""
+    """Returns (dq, dk, dv, dc) with dc = dL/dc of shape (B, Hq, Tk) in fp32 (`triton_gate_gradient` turns it into
+    d log f); c, key_bias and lse as the forward used or returned them."""
     q, k, v, out, do = (_last_dim_contiguous(t) for t in (q, k, v, out, do))
-    c, key_bias = c.contiguous(), key_bias.contiguous()
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
     cfg = _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound)
@@ -776,7 +905,7 @@ def triton_attention_backward(do, q, k, v, out, lse, c, key_bias, sm_scale, cu_s
     if q.numel() == 0 or cfg["max_q"] == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), dc.zero_()
     delta = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
-    delta_err = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
+    delta_corrected = torch.empty_like(delta)
     block = 64
     _bwd_preprocess[(triton.cdiv(Tq, block) * B * Hq,)](
         out, do, delta, *out.stride()[:3], *do.stride()[:3], Tq, Hq,
@@ -784,24 +913,24 @@ def triton_attention_backward(do, q, k, v, out, lse, c, key_bias, sm_scale, cu_s
     )
     common = dict(HEAD_DIM=D, BLOCK_D=cfg["block_d"], IS_VARLEN=cu_seqlens is not None,
                   HAS_SEQ_START=seq_start is not None, DOT_PRECISION=cfg["dot_precision"],
-                  PRUNE=prune_eps is not None, SEARCH_WIDTH=SEARCH_WIDTH, ALL_HEADS=cfg["all_heads"])
+                  PRUNE=prune_eps is not None, SEARCH_WIDTH=SEARCH_WIDTH)
     c_strides = (c.stride(0), c.stride(2), c.stride(1))
     grid_q = lambda meta: (triton.cdiv(cfg["max_q"], meta["BLOCK_M"]) * cfg["n_seqs"] * Hq,)  # noqa: E731
     _bwd_q[grid_q](
-        q, k, v, c, key_bias, do, lse, delta, dq, delta_err, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
+        q, k, v, c, key_bias, do, lse, delta, dq, delta_corrected, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *c_strides,
-        *cfg["bound_strides"], Tq, Tk, cfg["max_q"], Hq, cfg["group"], cfg["tune_seqlen"], sm_scale * LOG2E,
-        sm_scale, cfg["log_eps"], SEGMENT=SEGMENT, USE_TMA=_use_tma(k, v),
+        *cfg["bound_strides"], Tq, Tk, cfg["max_q"], Hq, cfg["group"], cfg["head_group"], cfg["tune_seqlen"],
+        sm_scale * LOG2E, sm_scale, cfg["log_eps"], SEGMENT=SEGMENT, USE_TMA=_use_tma(k, v),
         BIAS_TMA=_dq_bias_tma(prune_eps is not None, cfg["block_d"], cu_seqlens is not None) and _use_tma(key_bias),
         **common,
     )
-    delta += delta_err
     grid_kv = lambda meta: (triton.cdiv(cfg["max_k"], meta["BLOCK_N"]) * cfg["n_seqs"] * Hkv,)  # noqa: E731
     _bwd_kv[grid_kv](
-        q, k, v, c, do, lse, delta, dk, dv, dc, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
+        q, k, v, c, do, lse, delta_corrected, dk, dv, dc, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-        *c_strides, *cfg["bound_strides"], Tq, Tk, cfg["max_k"], Hq, cfg["group"], cfg["tune_seqlen"],
-        sm_scale * LOG2E, sm_scale, cfg["log_eps"], **common,
+        *c_strides, *cfg["bound_strides"], Tq, Tk, cfg["max_k"], Hq, cfg["group"],
+        max(cfg["head_group"] // cfg["group"], 1), cfg["tune_seqlen"], sm_scale * LOG2E, sm_scale, cfg["log_eps"],
+        **common,
     )
     return dq, dk, dv, dc
 

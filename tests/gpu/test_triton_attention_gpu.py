@@ -104,6 +104,39 @@ def test_left_padding():
     assert_close(relative_errors(inputs, seq_start=seq_start), torch.bfloat16)
 
 
+@pytest.mark.parametrize("layout", ["dense", "left padding", "packed", "cumsum given"])
+def test_gate_scans_match_torch_at_real_lengths(layout):
+    # The scan launches walk 2048 positions per iteration: 70k positions cross chunks, 128-position segments and,
+    # packed, sequences that start anywhere in a chunk. NaN-filled memory shows any position left unwritten.
+    from foxlm.kernels import triton_attention as ta
+    from foxlm.kernels.interface import _cumsum_float64, _gate_gradient
+
+    packed = layout == "packed"
+    lengths = [1, 5000, 2048, 129, 40000, 1, 22822] if packed else [70001]
+    B, T, H = (1 if packed else 3), sum(lengths), 12
+    cu_seqlens = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32) if packed else None
+    seq_start = torch.tensor([0, 777, 69999], device="cuda") if layout == "left padding" else None
+    log_fgate = F.logsigmoid(torch.randn(B, T, H, device="cuda") * 4 - 2)
+    c_want = _cumsum_float64(log_fgate, False, cu_seqlens, seq_start)
+    given = layout == "cumsum given"
+    gate = c_want.transpose(1, 2).float() if given else log_fgate
+    if given:
+        c_want = gate.transpose(1, 2).double()
+    poison_allocator()
+    c, key_bias = ta.triton_gate_cumsum(gate, given, cu_seqlens, seq_start)
+    torch.testing.assert_close(c, c_want, rtol=1e-12, atol=1e-9)
+    starts = torch.cat([torch.arange(s, e, device="cuda") - (torch.arange(s, e, device="cuda") - s) % ta.SEGMENT
+                        for s, e in zip([0] + list(torch.tensor(lengths).cumsum(0)[:-1].tolist()),
+                                        torch.tensor(lengths).cumsum(0).tolist())])
+    key_want = ((c_want - c_want[..., starts]) * math.log2(math.e)).float()
+    torch.testing.assert_close(key_bias, key_want, rtol=1e-6, atol=1e-5)
+    dc = torch.randn(B, H, T, device="cuda")
+    poison_allocator()
+    got = _gate_gradient(dc, gate, given, cu_seqlens, seq_start, True)
+    want = _gate_gradient(dc, gate, given, cu_seqlens, seq_start, False)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_no_decay_equals_causal_sdpa():
     q, k, v, _ = make_inputs(2, 4096, 4096, 8, 8, 128)
     out = forgetting_attention(q, k, v, torch.zeros(2, 4096, 8, device="cuda"))

@@ -115,7 +115,7 @@ def test_packed_launch_without_max_seqlen_takes_the_longest_sequence_from_the_ch
     launches = []
     forward = interface.triton_attention_forward
     monkeypatch.setattr(interface, "triton_attention_forward",
-                        lambda *args, **kwargs: launches.append(args[6]) or forward(*args, **kwargs))
+                        lambda *args, **kwargs: launches.append(args[7]) or forward(*args, **kwargs))
     cu_seqlens = torch.tensor([0, 1, 18, 19, 20, 51, 70], device=DEVICE, dtype=torch.int32)
     q, k, v, log_fgate = make_inputs(1, 70, 70, 4, 2, 16)
     forgetting_attention(q, k, v, log_fgate, cu_seqlens=cu_seqlens, backend="triton")
@@ -242,30 +242,33 @@ def test_tma_and_pointer_loads_give_identical_results(monkeypatch, shape, kwargs
 
 
 @pytest.mark.parametrize("shape, kwargs", LAUNCH_VARIANTS)
-def test_heavy_blocks_of_all_heads_first_or_head_by_head_give_identical_results(monkeypatch, shape, kwargs):
+def test_every_head_grouping_of_the_launch_order_gives_identical_results(monkeypatch, shape, kwargs):
+    # All heads' heavy blocks first, head by head, and groups of 2 or 4 heads (the last group smaller: 6 and 9
+    # (sequence, head) pairs here) compute the same blocks, only in another order.
     from foxlm.kernels import triton_attention as ta
 
     kwargs = launch_kwargs(kwargs)
     inputs = make_inputs(*shape, gate_scale=4.0)
     grad_out = torch.randn(*shape[:2], shape[3], shape[5], device=DEVICE)
     results = []
-    for all_heads in (True, False):
-        monkeypatch.setattr(ta, "_spread_heads", lambda *args, spread=all_heads: spread)
+    for head_group in (1000, 1, 2, 4):
+        monkeypatch.setattr(ta, "_head_group", lambda *args, size=head_group: size)
         results.append(outputs_and_grads(lambda *a: forgetting_attention(*a, backend="triton", **kwargs), inputs,
                                          grad_out))
-    for x, y in zip(*results):
-        assert torch.isfinite(x).all() and torch.equal(x, y)
+    for other in results[1:]:
+        for x, y in zip(results[0], other):
+            assert torch.isfinite(x).all() and torch.equal(x, y)
 
 
 @pytest.mark.parametrize(
-    "pruned, group, block_d, all_heads",
-    [(True, 1, 128, True), (False, 4, 128, True), (False, 1, 64, True), (False, 1, 128, False),
-     (False, 1, 256, False)],
+    "pruned, group, block_d, head_group",
+    [(True, 1, 64, 12), (True, 1, 128, 2), (False, 4, 128, 12), (False, 1, 64, 12), (False, 1, 128, 1),
+     (False, 1, 256, 1)],
 )
-def test_heads_are_spread_where_the_head_by_head_order_measured_slower(pruned, group, block_d, all_heads):
+def test_heads_are_grouped_as_measured_fastest(pruned, group, block_d, head_group):
     from foxlm.kernels import triton_attention as ta
 
-    assert ta._spread_heads(pruned, group, block_d) is all_heads
+    assert ta._head_group(pruned, group, block_d, 12) == head_group
 
 
 def test_tma_loads_only_for_16_byte_aligned_rows_and_a_triton_that_makes_descriptors(monkeypatch):
@@ -282,32 +285,17 @@ def test_tma_loads_only_for_16_byte_aligned_rows_and_a_triton_that_makes_descrip
     assert not ta._use_tma(q)
 
 
-def test_backward_reuses_the_forward_cumsum_and_key_biases(monkeypatch):
+def test_forward_and_backward_each_scan_the_gates_once(monkeypatch):
+    # c and the key biases come from one launch in the forward and are kept; the backward's one launch is d log f.
     from foxlm.kernels import interface
 
-    from foxlm.kernels import triton_attention as ta
-
     calls = []
-    for module, name in ((interface, "_cumsum_float64"), (ta, "_segment_bias")):
-        original = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, f=original, n=name: calls.append(n) or f(*a))
+    for name in ("triton_gate_cumsum", "triton_gate_gradient"):
+        original = getattr(interface, name)
+        monkeypatch.setattr(interface, name, lambda *a, f=original, n=name: calls.append(n) or f(*a))
     inputs = make_inputs(1, 40, 40, 2, 1, 16)
     outputs_and_grads(lambda *a: forgetting_attention(*a, backend="triton"), inputs, torch.randn(1, 40, 2, 16))
-    assert calls == ["_cumsum_float64", "_segment_bias"]
-
-
-def test_equal_length_calls_share_one_segment_index_made_even_in_inference_mode():
-    from foxlm.kernels import triton_attention as ta
-
-    ta._dense_segment_starts.cache_clear()
-    inputs = make_inputs(1, 40, 40, 2, 1, 16)
-    with torch.inference_mode():  # e.g. generation first: the cached index is then an inference tensor
-        first = forgetting_attention(*inputs, backend="triton")
-    grad_out = torch.randn(1, 40, 2, 16, device=DEVICE)
-    got = outputs_and_grads(lambda *a: forgetting_attention(*a, backend="triton"), inputs, grad_out)
-    assert torch.equal(got[0].detach(), first) and all(torch.isfinite(g).all() for g in got[1:])
-    info = ta._dense_segment_starts.cache_info()
-    assert (info.misses, info.hits) == (1, 1)
+    assert calls == ["triton_gate_cumsum", "triton_gate_gradient"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -325,6 +313,27 @@ def test_a_float64_cumsum_in_the_kernels_layout_is_accepted(backend):
     assert torch.isfinite(got[4]).all()
 
 
+def test_autotuning_runs_leave_results_unchanged(monkeypatch):
+    # The autotuner times each candidate configuration by running the launch on the real arguments, several times
+    # (Triton 3.6 even with a single candidate), so no autotuned kernel may change its own inputs. Here every kernel
+    # has two candidates, each run twice instead of timed (the interpreter has no GPU timer).
+    from foxlm.kernels import triton_attention as ta
+
+    inputs = make_inputs(1, 40, 40, 2, 1, 16)
+    grad_out = torch.randn(1, 40, 2, 16, device=DEVICE)
+    want = outputs_and_grads(lambda *a: forgetting_attention(*a, backend="triton"), inputs, grad_out)
+    for table in (ta._FWD_CONFIGS, ta._BWD_Q_CONFIGS, ta._BWD_KV_CONFIGS):
+        monkeypatch.setitem(table, 0, table[0] * 2)
+    monkeypatch.setattr(ta, "_AUTOTUNE", True)
+    runs = []
+    for tuner in (ta._fwd, ta._bwd_q, ta._bwd_kv):
+        monkeypatch.setattr(tuner, "cache", {})
+        monkeypatch.setattr(tuner, "_do_bench", lambda call, quantiles: [call(), call(), runs.append(1), [1.0] * 3][-1])
+    got = outputs_and_grads(lambda *a: forgetting_attention(*a, backend="triton"), inputs, grad_out)
+    assert len(runs) == 6, "each kernel's two candidates were run"
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_autotuning_keys_on_the_length_class():
     from foxlm.kernels import triton_attention as ta
 
@@ -339,20 +348,36 @@ def test_autotuning_keys_on_the_length_class():
         assert 1024 in {key[position] for key in tuner.cache}
 
 
-@pytest.mark.parametrize("cu_seqlens", [None, [0, 5, 5, 70, 100]])
-def test_segment_biases_restart_at_each_segment_of_each_sequence(cu_seqlens):
+@pytest.mark.parametrize("layout", ["dense", "left padding", "packed", "cumsum given", "packed cumsum given"])
+def test_gate_scans_match_torch_across_chunks_sequences_and_segments(layout):
+    # c, the key biases and d log f from the scan launches against torch ops in float64 (the interpreter's scan
+    # chunks are 32 positions long, so T = 100 crosses chunks, segments and, packed, sequences inside a chunk).
     from foxlm.kernels import triton_attention as ta
+    from foxlm.kernels.interface import _cumsum_float64, _gate_gradient
 
-    c = torch.randn(2 if cu_seqlens is None else 1, 3, 100, dtype=torch.float64).cumsum(-1) * 50
-    bounds = [0, 100] if cu_seqlens is None else cu_seqlens
-    bounds_tensor = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int32)
-    got = ta._segment_bias(c, bounds_tensor)
-    assert got.dtype == torch.float32
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        for t in range(start, end):
-            first = start + (t - start) // ta.SEGMENT * ta.SEGMENT
-            want = ((c[..., t] - c[..., first]) * math.log2(math.e)).float()
-            torch.testing.assert_close(got[..., t], want, rtol=0, atol=0)
+    packed, given = "packed" in layout, "given" in layout
+    B, T, H = (1 if packed else 3), 100, 3
+    bounds = [0, 5, 5, 33, 34, 70, 100] if packed else [0, T]
+    cu_seqlens = torch.tensor(bounds, device=DEVICE, dtype=torch.int32) if packed else None
+    seq_start = torch.tensor([0, 13, 40], device=DEVICE) if layout == "left padding" else None
+    log_fgate = F.logsigmoid(torch.randn(B, T, H, device=DEVICE) * 3)
+    c_want = _cumsum_float64(log_fgate, False, cu_seqlens, seq_start)
+    gate = c_want.transpose(1, 2).float() if given else log_fgate
+    if given:
+        c_want = gate.transpose(1, 2).double()  # taken as given, after its rounding to fp32
+    c, key_bias = ta.triton_gate_cumsum(gate, given, cu_seqlens, seq_start)
+    assert c.dtype == torch.float64 and key_bias.dtype == torch.float32 and c.stride(-1) == key_bias.stride(-1) == 1
+    torch.testing.assert_close(c, c_want, rtol=1e-13, atol=1e-13)
+    segment_start = torch.cat([torch.arange(s, e) - (torch.arange(s, e) - s) % ta.SEGMENT
+                               for s, e in zip(bounds[:-1], bounds[1:])]).to(DEVICE)
+    key_want = ((c_want - c_want[..., segment_start]) * math.log2(math.e)).float()
+    torch.testing.assert_close(key_bias, key_want, rtol=2e-7, atol=1e-6)
+    dc = torch.randn(B, H, T, device=DEVICE)
+    for dtype in (torch.float32, torch.float64):
+        got = _gate_gradient(dc, gate.to(dtype), given, cu_seqlens, seq_start, True)
+        want = _gate_gradient(dc, gate.to(dtype), given, cu_seqlens, seq_start, False)
+        assert got.dtype == dtype and got.shape == (B, T, H)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_torch_compile_sees_one_op_without_graph_breaks():
