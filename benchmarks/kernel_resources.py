@@ -38,9 +38,10 @@ KERNELS = {  # name: (jit function, autotune table)
     "dq": (ta._bwd_q_kernel, ta._BWD_Q_CONFIGS),
     "dkdv": (ta._bwd_kv_kernel, ta._BWD_KV_CONFIGS),
 }
+# Pointer arguments that are not bf16 (q, k, v, o and their gradients are).
 POINTER_DTYPES = {"C": torch.float64, "C_SEG": torch.float32, "LSE": torch.float32, "DELTA": torch.float32,
                   "DELTA_CORRECTED": torch.float32, "DC": torch.float32, "BOUND": torch.float32,
-                  "CU_SEQLENS": torch.int32, "SEQ_START": torch.int32, "PRUNED": torch.int32}  # the rest (q, k, v, o and their gradients) bf16
+                  "CU_SEQLENS": torch.int32, "SEQ_START": torch.int32, "PRUNED": torch.int32}
 FLOAT_ARGS = {"qk_scale": 0.125 * 1.4427, "sm_scale": 0.125, "log_eps": -10.0}
 
 

@@ -227,7 +227,8 @@ def _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start):
 def _gate_gradient(dc, gate, gate_is_cumsum, cu_seqlens, seq_start, use_triton):
     """dL/d(gate), (B, Tk, Hq) in the gate's dtype, from dL/dc laid out (B, Hq, Tk): dc itself, or for log f the
     reverse cumsum `d log f_t = sum_{k>=t} dc_k` within each sequence, summed directly in float64 (never
-    `total - prefix` in fp32): one launch on the Triton path (`triton_gate_gradient`), torch ops otherwise."""
+    `total - prefix` in fp32): Triton scan launches on the Triton path (`triton_gate_gradient`), torch ops otherwise.
+    """
     if gate_is_cumsum:
         return dc.transpose(1, 2).to(gate.dtype)
     if use_triton:

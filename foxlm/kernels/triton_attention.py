@@ -20,8 +20,8 @@ Design (fox-reference.md §3-4):
   key-stationary dK/dV pass then uses the corrected delta. dK/dV programs loop over the query heads of their GQA group,
   so dK/dV are reduced in registers (no per-query-head copy), and they own `dc_j = -sum_i dS_ij` (the row sums of dS
   vanish, fox-reference.md §3); `d log f` is then a float64 reverse cumsum.
-- c and the key biases come from one float64 scan launch over the gates (`triton_gate_cumsum`), d log f from one
-  reverse scan (`triton_gate_gradient`), in place of a dozen small torch ops (casts, scans, flips, gathers).
+- c and the key biases come from a float64 scan over the gates (`triton_gate_cumsum`), d log f from a reverse scan
+  (`triton_gate_gradient`), two launches each, in place of a dozen small torch ops (casts, scans, flips, gathers).
 - 1-D grids (no 65535 limit on y/z), 64-bit base offsets, heavy blocks launched first (`_heaviest_first`), of
   all heads at once or of a few heads at a time (`_head_group`).
 - On Hopper and newer, the forward and dQ loops load K/V through TMA descriptors made per program (`_row_tiles`:
@@ -751,8 +751,8 @@ def _dq_bias_tma(pruned, block_d, packed):
     addresses of the pointer loads (23 local-memory accesses per iteration, 9 through TMA;
     `benchmarks/kernel_resources.py --prune`): on an H100 at 16k that pass ran 9% faster on the ACP gate mix and 2%
     on open gates. Elsewhere it did not pay: unpruned D64 dQ 2% faster at 16k but 3% slower at 4k, D128 dQ 2-4%
-    slower, the forward 1-4% slower (`benchmarks/results/bias_tma_ab_*.json`, `delta_in_dq_ab_*.json`). Never for packed sequences: a descriptor's
-    tile must start 16-byte aligned, and their sequences start anywhere."""
+    slower, the forward 1-4% slower (`benchmarks/results/bias_tma_ab_*.json`, `delta_in_dq_ab_*.json`). Never for
+    packed sequences: a descriptor's tile must start 16-byte aligned, and their sequences start anywhere."""
     return pruned and block_d <= 64 and not packed
 
 
@@ -794,7 +794,7 @@ def _gate_scan(x, x_strides, y, y_strides, y_seg, batch, heads, length, cu_seqle
 
 
 def triton_gate_cumsum(gate, gate_is_cumsum, cu_seqlens=None, seq_start=None):
-    """(c, key_bias) for the kernels from a (B, T, H) gate, in one launch: c the float64 cumsum of log f (the gate
+    """(c, key_bias) for the kernels from a (B, T, H) gate (`_gate_scan`): c the float64 cumsum of log f (the gate
     itself when `gate_is_cumsum`), restarted at each packed sequence, log f = 0 before `seq_start`; key_bias the fp32
     `(c_t - c_s) * log2(e)`, s the first position of t's SEGMENT-long segment counted from its sequence's start (the
     kernels add `c_s - anchor` back once per key block, `_segment_shift`). Both (B, H, T), unit stride along T."""
@@ -807,7 +807,7 @@ def triton_gate_cumsum(gate, gate_is_cumsum, cu_seqlens=None, seq_start=None):
 
 
 def triton_gate_gradient(dc, dtype, cu_seqlens=None, seq_start=None):
-    """d log f (B, T, H) in `dtype` from dL/dc (B, H, T), in one launch: `d log f_t = sum_{k >= t} dc_k` within t's
+    """d log f (B, T, H) in `dtype` from dL/dc (B, H, T) (`_gate_scan`): `d log f_t = sum_{k >= t} dc_k` within t's
     sequence, summed in float64 (never `total - prefix` in fp32), zero before `seq_start`."""
     B, H, T = dc.shape
     dgate = torch.empty(B, T, H, device=dc.device, dtype=dtype)
@@ -824,7 +824,8 @@ def _head_group(pruned, group, block_d, num_bh):
     H100, `benchmarks/results/head_order_ab_*.json`). At head dim 128 and more without GQA, the K/V of all heads in
     flight at once (two pipeline stages to hide their misses) cost more: head by head was 3% faster at 16k, and with
     pruning, pairs of heads kept most of the all-heads gain on the ACP gate mix while matching the unpruned speed on
-    open gates (`benchmarks/results/head_group_ab_*.json`)."""
+    open gates (`benchmarks/results/head_group_ab_*.json`). The dK/dV launch takes the same count: its pairs are
+    (sequence, KV head), no more than `num_bh`, and as many without GQA."""
     if group > 1 or block_d <= 64:
         return max(num_bh, 1)
     return 2 if pruned else 1
@@ -928,9 +929,8 @@ def triton_attention_backward(do, q, k, v, out, lse, c, key_bias, sm_scale, cu_s
     _bwd_kv[grid_kv](
         q, k, v, c, do, lse, delta_corrected, dk, dv, dc, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-        *c_strides, *cfg["bound_strides"], Tq, Tk, cfg["max_k"], Hq, cfg["group"],
-        max(cfg["head_group"] // cfg["group"], 1), cfg["tune_seqlen"], sm_scale * LOG2E, sm_scale, cfg["log_eps"],
-        **common,
+        *c_strides, *cfg["bound_strides"], Tq, Tk, cfg["max_k"], Hq, cfg["group"], cfg["head_group"],
+        cfg["tune_seqlen"], sm_scale * LOG2E, sm_scale, cfg["log_eps"], **common,
     )
     return dq, dk, dv, dc
 

@@ -106,7 +106,7 @@ def test_left_padding():
 
 @pytest.mark.parametrize("layout", ["dense", "left padding", "packed", "cumsum given"])
 def test_gate_scans_match_torch_at_real_lengths(layout):
-    # The scan launches walk 2048 positions per iteration: 70k positions cross chunks, 128-position segments and,
+    # The scan launches work in 1024-position chunks: 70k positions cross chunks, 128-position segments and,
     # packed, sequences that start anywhere in a chunk. NaN-filled memory shows any position left unwritten.
     from foxlm.kernels import triton_attention as ta
     from foxlm.kernels.interface import _cumsum_float64, _gate_gradient
