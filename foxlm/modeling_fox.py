@@ -198,7 +198,8 @@ class FoxAttention(nn.Module):
             u = w_q * w_k.repeat_interleave(group) * self.head_dim * self.scaling * (1 + 2**-7)
             return u.expand(q.shape[0], -1)
         q_norm = q.detach().float().norm(dim=-1).amax(1)
-        return q_norm * cache_layer.key_norm_max.repeat_interleave(group, dim=1) * self.scaling
+        u = q_norm * cache_layer.key_norm_max.repeat_interleave(group, dim=1) * self.scaling
+        return u.nan_to_num(nan=float("inf"))  # NaN in q or k: prune nothing, so that the NaN is not hidden
 
     def _cached_attention(self, q, k, v, log_fgate, raw_k, raw_v, cache_layer, layout):
         """Attention of the new tokens against the cache: the prefill kernel for a first or long chunk, the decode

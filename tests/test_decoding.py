@@ -2,6 +2,7 @@
 decode time and KV eviction."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -103,6 +104,15 @@ def test_acp_without_qk_norm_bounds_scores_by_measured_norms(make_model):
     pruned = fast_forgetting_model(make_model, qk_norm=False, acp_eps=math.exp(-10))
     ids = torch.randint(3, 97, (1, 30))
     assert torch.equal(greedy(pruned, ids, 10), greedy(model, ids, 10))
+
+
+def test_acp_bound_without_qk_norm_prunes_nothing_for_nan_queries(make_model):
+    attention = fast_forgetting_model(make_model, qk_norm=False, acp_eps=math.exp(-10)).model.layers[0].self_attn
+    q = torch.randn(1, 1, attention.num_heads, attention.head_dim)
+    q[0, 0, 0, 0] = float("nan")
+    cache_layer = SimpleNamespace(key_norm_max=torch.ones(1, attention.num_kv_heads))
+    bound = attention._acp_bound(q, cache_layer)
+    assert bound[0, 0].isinf() and bound[0, 1:].isfinite().all()  # delta = -inf: that head keeps every key
 
 
 def test_eviction_keeps_assisted_decoding_exact(make_model, monkeypatch):

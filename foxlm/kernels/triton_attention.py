@@ -168,7 +168,10 @@ def _prune_threshold(BOUND, stride_ub, stride_uh, batch, h, log_eps, seq_k, kv_s
     """delta = log eps - 2U - log L (natural log), L the number of keys of this sequence."""
     u = tl.load(BOUND + batch * stride_ub + h * stride_uh)
     n_keys = tl.maximum(seq_k - kv_start, 1).to(tl.float32)
-    return (log_eps - 2.0 * u - tl.log(n_keys)).to(tl.float64)
+    delta = log_eps - 2.0 * u - tl.log(n_keys)
+    # A NaN bound (NaN in q or k) prunes nothing: every comparison with a NaN delta is false, which the dK/dV
+    # pass's search would read as "pruned from the first block on".
+    return tl.where(delta == delta, delta, float("-inf")).to(tl.float64)
 
 
 @triton.jit
@@ -639,6 +642,34 @@ def _gate_scan_kernel(X, Y, Y_SEG, SUMS, FIRST, SEQ_START, T, num_heads, n_chunk
         tl.store(Y_SEG + t.to(tl.int64) * stride_yt, (key * 1.4426950408889634).to(tl.float32), mask=valid)
 
 
+@triton.jit
+def _max_square_norms_kernel(Q, K, PARTIAL, Tq, Tk, Hq, Hkv, n_blocks, stride_qb, stride_qt, stride_qh, stride_kb,
+                             stride_kt, stride_kh, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """PARTIAL[b, h, i] = max over the BLOCK_T positions t of block i of |x[b, t, h, :]|^2 in fp32, x = q (program
+    axis 1 = 0) or k (1, heads Hq + h); NaN counts as +inf, so that a NaN input gives U = inf (nothing pruned)."""
+    pid = tl.program_id(0)
+    b = pid // n_blocks
+    block = pid - b * n_blocks
+    offs_t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    if tl.program_id(1) == 0:
+        x_ptrs = Q + b.to(tl.int64) * stride_qb + offs_t[:, None, None].to(tl.int64) * stride_qt
+        x_ptrs += offs_h[None, :, None] * stride_qh + offs_d[None, None, :]
+        length, heads, first_head = Tq, Hq, 0
+    else:
+        x_ptrs = K + b.to(tl.int64) * stride_kb + offs_t[:, None, None].to(tl.int64) * stride_kt
+        x_ptrs += offs_h[None, :, None] * stride_kh + offs_d[None, None, :]
+        length, heads, first_head = Tk, Hkv, Hq
+    mask = (offs_t[:, None, None] < length) & (offs_h[None, :, None] < heads) & (offs_d[None, None, :] < HEAD_DIM)
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    square_norms = tl.sum(x * x, 2)
+    square_norms = tl.where(square_norms == square_norms, square_norms, float("inf"))
+    rows = (b * (Hq + Hkv) + first_head + offs_h).to(tl.int64) * n_blocks + block
+    tl.store(PARTIAL + rows, tl.max(square_norms, 0), mask=offs_h < heads)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) by padded head dim, the fastest on an H100 at
 # T = 4k and 16k first (`benchmarks/sweep_attention_configs.py`; FOXLM_AUTOTUNE=0 takes it alone), then the runners-up.
@@ -814,6 +845,31 @@ def triton_gate_gradient(dc, dtype, cu_seqlens=None, seq_start=None):
     _gate_scan(dc, dc.stride(), dgate, (dgate.stride(0), dgate.stride(2), dgate.stride(1)), dgate, B, H, T,
                cu_seqlens, seq_start, False, True)
     return dgate
+
+
+_NORM_TILE = 4096  # elements of q per program of `triton_max_square_norms` (8 KB of bf16; 16 KB ran 20% longer)
+
+
+def triton_max_square_norms(q, k):
+    """(max_t |q[b, t, h, :]|^2 (B, Hq), max_t |k[b, t, h, :]|^2 (B, Hkv)) in fp32 for (B, T, H, D) q and k (their
+    lengths may differ): one
+    launch that reads each once (BLOCK_T positions of all heads per program), then a reduction of the block maxima
+    along their contiguous axis; no host sync."""
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    longest = max(Tq, Tk)
+    if B * longest == 0:
+        return q.new_zeros(B, Hq, dtype=torch.float32), q.new_zeros(B, Hkv, dtype=torch.float32)
+    q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
+    block_h, block_d = triton.next_power_of_2(Hq), triton.next_power_of_2(D)
+    block_t = max(1, min(triton.next_power_of_2(longest), _NORM_TILE // (block_h * block_d)))
+    n_blocks = triton.cdiv(longest, block_t)
+    # Blocks past a tensor's length (q against a longer cache) store 0, a norm's lower bound.
+    partial = torch.empty(B, Hq + Hkv, n_blocks, device=q.device, dtype=torch.float32)
+    _max_square_norms_kernel[(B * n_blocks, 2)](q, k, partial, Tq, Tk, Hq, Hkv, n_blocks, *q.stride()[:3],
+                                                *k.stride()[:3], HEAD_DIM=D, BLOCK_T=block_t, BLOCK_H=block_h,
+                                                BLOCK_D=block_d)
+    return partial.amax(-1).split((Hq, Hkv), dim=1)
 
 
 def _head_group(pruned, group, block_d, num_bh):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from foxlm import FoxConfig, FoxForCausalLM
 from foxlm.kernels import forgetting_attention
-from foxlm.kernels.acp import acp_statistics
+from foxlm.kernels.acp import acp_statistics, measured_score_bound
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 EPS = math.exp(-10)
@@ -46,6 +46,20 @@ def test_fast_gates_prune_most_work_and_stay_within_the_bound(varlen):
     for g, g_p in zip(grads, grads_p):
         assert torch.isfinite(g_p).all()
         assert ((g_p.float() - g.float()).norm() / g.float().norm()).item() < 1e-3
+
+
+@pytest.mark.parametrize("Hq, Hkv, D", [(32, 32, 64), (16, 4, 128)])
+def test_measured_score_bound_at_real_sizes(Hq, Hkv, D):
+    torch.manual_seed(0)
+    B, T = 2, 16384
+    q, k = (torch.randn(B, T, h, D, device="cuda", dtype=torch.bfloat16) for h in (Hq, Hkv))
+    q[1, 12345, 3] *= 9  # one outlying token must set its head's bound
+    norms = [torch.linalg.vector_norm(x.double(), dim=-1).amax(1) for x in (q, k)]
+    expected = norms[0] * norms[1].repeat_interleave(Hq // Hkv, 1) * D**-0.5
+    torch.testing.assert_close(measured_score_bound(q, k, D**-0.5).double(), expected, rtol=1e-6, atol=0)
+    k[0, 77, 0, 5] = float("nan")
+    bound = measured_score_bound(q, k, D**-0.5)
+    assert bound[0, : Hq // Hkv].isinf().all() and bound[0, Hq // Hkv :].isfinite().all()
 
 
 def test_open_gates_prune_nothing_and_are_bit_identical_in_bf16():

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from foxlm.kernels import forgetting_attention
-from foxlm.kernels.acp import acp_statistics, measured_score_bound
+from foxlm.kernels import acp
+from foxlm.kernels.acp import acp_statistics, max_square_norms, measured_score_bound
 
 pytest.importorskip("triton")
 
@@ -109,6 +110,46 @@ def test_statistics_record_only_pruned_calls_inside_the_block():
         forgetting_attention(q, k, v, log_fgate, backend="triton")
         forgetting_attention(q, k, v, log_fgate, backend="triton", prune_eps=0.5)
     assert len(stats.calls) == 1 and stats.pruned_fraction > 0
+
+
+@pytest.mark.parametrize("Tq, Tk, H, D", [(1, 1, 1, 16), (37, 37, 3, 24), (130, 130, 9, 64), (5, 70, 2, 16),
+                                          (70, 5, 2, 16)])
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_measured_score_bound_matches_float64_norms(Tq, Tk, H, D, path, monkeypatch):
+    if path == "torch":  # what runs without Triton, or on CPU tensors outside the interpreter
+        monkeypatch.setattr(acp, "triton_max_square_norms", None)
+    torch.manual_seed(0)
+    # Strided views, as a fused projection hands them over: q and k are slices of one tensor. Tq != Tk: queries
+    # against a cache (the largest key norms lie past Tq).
+    qkv = torch.randn(2, max(Tq, Tk), 4 * H, D, device=DEVICE) * torch.linspace(0.1, 3, max(Tq, Tk))[:, None, None]
+    q, k = qkv[:, -Tq:, : 3 * H], qkv[:, -Tk:, 3 * H :]
+    expected = [torch.linalg.vector_norm(x.double(), dim=-1).amax(1) for x in (q, k)]
+    for got, want in zip(max_square_norms(q, k), expected):
+        torch.testing.assert_close(got.double(), want.square(), rtol=1e-6, atol=0)
+    bound = measured_score_bound(q, k, 0.125)
+    assert bound.shape == (2, 3 * H) and bound.dtype == torch.float32
+    torch.testing.assert_close(bound.double(), expected[0] * expected[1].repeat_interleave(3, 1) * 0.125,
+                               rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("bound", ["measured", "measured by torch", "nan"])
+def test_nan_inputs_are_not_hidden_by_pruning(bound, monkeypatch):
+    # A NaN key must reach every output and gradient that it reaches without pruning: its measured U is inf, and a
+    # NaN bound prunes nothing (else the dK/dV pass would skip every query block and return zeros).
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 64, 2, 16, device=DEVICE) for _ in range(3))
+    k[0, 9, 1] = float("nan")
+    log_fgate = torch.full((1, 64, 2), -2.0, device=DEVICE)
+    if bound == "measured by torch":
+        monkeypatch.setattr(acp, "triton_max_square_norms", None)
+    score_bound = float("nan") if bound == "nan" else None
+    if score_bound is None:
+        assert measured_score_bound(q, k, 0.25)[0].isinf().tolist() == [False, True]
+    exact = run(q, k, v, log_fgate)
+    pruned = run(q, k, v, log_fgate, prune_eps=0.5, score_bound=score_bound)
+    assert exact[0].isnan().any()
+    for a, b in zip((exact[0], *exact[2]), (pruned[0], *pruned[2])):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
 
 
 def test_prune_eps_must_be_a_probability():
