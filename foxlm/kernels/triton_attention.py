@@ -33,6 +33,8 @@ Design (fox-reference.md §3-4):
   (then each query loses at most eps of its attention mass). c is monotone, so the kept key blocks of a query block
   are a suffix and the kept query blocks of a key block a prefix: each program finds its boundary by a
   SEARCH_WIDTH-ary search over c (one vector load per round, two rounds at 16k), in the forward, dQ and dK/dV passes.
+  A NaN bound prunes nothing. Without a given bound, U comes from one reduction over q and k
+  (`triton_max_square_norms`).
 """
 
 import functools
@@ -847,14 +849,13 @@ def triton_gate_gradient(dc, dtype, cu_seqlens=None, seq_start=None):
     return dgate
 
 
-_NORM_TILE = 4096  # elements of q per program of `triton_max_square_norms` (8 KB of bf16; 16 KB ran 20% longer)
+_NORM_TILE = 4096  # elements of q per program of `triton_max_square_norms` (8 KB of bf16; 16 KB: up to 24% slower)
 
 
 def triton_max_square_norms(q, k):
-    """(max_t |q[b, t, h, :]|^2 (B, Hq), max_t |k[b, t, h, :]|^2 (B, Hkv)) in fp32 for (B, T, H, D) q and k (their
-    lengths may differ): one
-    launch that reads each once (BLOCK_T positions of all heads per program), then a reduction of the block maxima
-    along their contiguous axis; no host sync."""
+    """(max_t |q[b, t, h, :]|^2 (B, Hq), max_t |k[b, t, h, :]|^2 (B, Hkv)) in fp32 for (B, T, H, D) q and k, whose
+    lengths may differ: one launch that reads each once (BLOCK_T positions of all heads per program), then a reduction
+    of the block maxima along their contiguous axis; no host sync. ACP's measured U (`acp.measured_score_bound`)."""
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
     longest = max(Tq, Tk)
