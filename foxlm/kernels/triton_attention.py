@@ -547,7 +547,6 @@ def _bwd_q_kernel(Q, K, V, C, C_SEG, DO, LSE, DELTA, DQ, DELTA_CORRECTED, CU_SEQ
     tl.store(DELTA_CORRECTED + row + offs_m, delta + row_err, mask=valid_m)
 
 
-
 @triton.jit
 def _combine_segmented(value_a, restart_a, value_b, restart_b):
     """Addition that restarts where a segment does: (a then b) sums both unless b holds a restart."""
@@ -598,8 +597,9 @@ def _gate_scan_kernel(X, Y, Y_SEG, SUMS, FIRST, SEQ_START, T, num_heads, n_chunk
     row = pid // n_chunks
     chunk = pid - row * n_chunks
     X, kv_start = _scan_row(X, row, num_heads, stride_xb, stride_xh, SEQ_START, HAS_SEQ_START)
-    Y += (row // num_heads).to(tl.int64) * stride_yb + (row % num_heads) * stride_yh
-    Y_SEG += (row // num_heads).to(tl.int64) * stride_yb + (row % num_heads) * stride_yh
+    y_row = (row // num_heads).to(tl.int64) * stride_yb + (row % num_heads) * stride_yh  # Y_SEG shares Y's strides
+    Y += y_row
+    Y_SEG += y_row
     u0 = chunk * CHUNK
     u = u0 + tl.arange(0, CHUNK)  # scan order; time t = T - 1 - u when REVERSE
     t = T - 1 - u if REVERSE else u
