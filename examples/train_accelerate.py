@@ -68,6 +68,16 @@ def build_model(args):
     return FoxForCausalLM(config)
 
 
+def training_arguments(args, on_gpu):
+    return TrainingArguments(
+        output_dir=str(Path(args.output_dir) / "trainer"), per_device_train_batch_size=args.batch_size,
+        max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 10),
+        weight_decay=0.1, adam_beta2=0.95, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
+        bf16=on_gpu, use_cpu=not on_gpu, gradient_checkpointing=args.gradient_checkpointing,
+        dataloader_drop_last=True, seed=args.seed, disable_tqdm=True,
+    )
+
+
 def stdlib_blocks(context, num_tokens):
     """(n, context) blocks of the standard library's bytes, read in a fixed order until `num_tokens` are there."""
     documents, total = [], 0
@@ -135,13 +145,7 @@ def main(argv=None):
     args = parse_args(argv)
     output_dir = Path(args.output_dir)
     on_gpu = torch.cuda.is_available()
-    training_args = TrainingArguments(
-        output_dir=str(output_dir / "trainer"), per_device_train_batch_size=args.batch_size, max_steps=args.steps,
-        learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 10),
-        weight_decay=0.1, adam_beta2=0.95, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
-        bf16=on_gpu, use_cpu=not on_gpu, gradient_checkpointing=args.gradient_checkpointing,
-        dataloader_drop_last=True, seed=args.seed, disable_tqdm=True,
-    )
+    training_args = training_arguments(args, on_gpu)
     world_size = training_args.world_size
     tokens_per_step = args.batch_size * args.context * world_size
     blocks = stdlib_blocks(args.context, (args.steps + 1) * tokens_per_step)

@@ -326,6 +326,7 @@ BENCHMARKS = {  # `foxlm bench NAME`: script in benchmarks/, what it measures
     "layer-ops": ("bench_layer_ops.py", "fused QK-norm, output norm+gate and token shift vs PyTorch (GPU)"),
     "kernel-resources": ("kernel_resources.py", "registers and spills of every kernel config (no GPU needed)"),
     "sweep-configs": ("sweep_attention_configs.py", "time candidate kernel launch configurations (GPU)"),
+    "trainer-profile": ("trainer_step_profile.py", "how busy the GPU is in a Trainer step, kernels per step (GPU)"),
 }
 
 

@@ -74,3 +74,20 @@ def test_fsdp2_shards_every_decoder_layer_trains_like_one_process_and_round_trip
     assert result["single_process_max_abs_diff"] < 1e-4
     assert result["reload_max_abs_diff"] < 1e-5
     assert (tmp_path / "model" / "model.safetensors.index.json").exists()
+
+
+def test_fsdp_scaling_script_runs_one_and_two_processes_and_writes_their_ratio(tmp_path):
+    # On a CPU the processes train as plain data parallelism (see above): this checks the driver and its result file.
+    env = dict(SIZE="tiny", CONTEXT="64", BATCH="2", STEPS="7", OUT=str(tmp_path))
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_fsdp_scaling.sh")], env=dict(
+        os.environ, **env, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    (path,) = tmp_path.glob("fsdp_scaling_tiny_b2_cpu_*.json")
+    result = json.loads(path.read_text())
+    runs = result["runs"]
+    assert [runs[name]["world_size"] for name in ("plain", "fsdp1", "fsdp2")] == [1, 1, 2]
+    assert runs["plain"]["distributed_type"] == "DistributedType.NO"
+    assert all(run["timed_steps"] == 2 and run["reload"]["max_rel_diff"] <= 2e-2 for run in runs.values())
+    assert result["scaling"] == runs["fsdp2"]["tokens_per_s"] / runs["fsdp1"]["tokens_per_s"]
+    assert result["scaling_over_no_fsdp"] == runs["fsdp2"]["tokens_per_s"] / runs["plain"]["tokens_per_s"]
+    assert result["met"] == (result["scaling"] >= 1.8)

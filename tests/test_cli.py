@@ -119,7 +119,7 @@ def test_bench_lists_the_benchmarks_and_passes_options_to_their_scripts(capsys):
         main(["bench", "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "attention" in out and "kernel-resources" in out and "training" in out
+    assert "attention" in out and "kernel-resources" in out and "training" in out and "trainer-profile" in out
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "layer-ops", "--help"])
     assert exit_info.value.code == 0
