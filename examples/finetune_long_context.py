@@ -61,13 +61,10 @@ from foxlm.data import (
     tokenize_documents,
 )
 from foxlm.evaluation import compare_per_token_loss, format_bands, mask_sparse_positions, write_per_token_loss_report
-from foxlm.training import TrainingBudget
+from foxlm.training import CHECKPOINTING_ARGUMENT, TrainingBudget
 
 ON_GPU = torch.cuda.is_available()
 LORA_LR, FULL_LR = 3e-3, 3e-4  # the comparison above
-# transformers 5.23 renamed the argument (the old name still works there, with a warning; older versions know only it).
-CHECKPOINTING = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
-                 else "gradient_checkpointing")
 
 
 def parse_args(argv=None, prog=None):
@@ -178,7 +175,7 @@ def fine_tune(args, converted_dir, tokenizer, train_blocks, run_dir):
     training_args = TrainingArguments(
         output_dir=str(run_dir / "checkpoints"), max_steps=args.steps, per_device_train_batch_size=1,
         gradient_accumulation_steps=accumulation, learning_rate=lr, bf16=ON_GPU,
-        **{CHECKPOINTING: args.gradient_checkpointing}, logging_steps=max(1, args.steps // 50),
+        **{CHECKPOINTING_ARGUMENT: args.gradient_checkpointing}, logging_steps=max(1, args.steps // 50),
         save_steps=args.save_steps, save_total_limit=1, report_to=[], use_cpu=not ON_GPU, seed=0,
     )
     checkpoints = Path(training_args.output_dir)

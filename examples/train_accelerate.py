@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, Trainin
 
 from foxlm import FoxConfig, FoxForCausalLM
 from foxlm.data import pack_into_blocks, stdlib_source_files
+from foxlm.training import CHECKPOINTING_ARGUMENT
 
 OFFSET = 3  # byte b is token b + 3
 SIZES = {
@@ -73,8 +74,8 @@ def training_arguments(args, on_gpu):
         output_dir=str(Path(args.output_dir) / "trainer"), per_device_train_batch_size=args.batch_size,
         max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 10),
         weight_decay=0.1, adam_beta2=0.95, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
-        bf16=on_gpu, use_cpu=not on_gpu, gradient_checkpointing=args.gradient_checkpointing,
-        dataloader_drop_last=True, seed=args.seed, disable_tqdm=True,
+        bf16=on_gpu, use_cpu=not on_gpu, dataloader_drop_last=True, seed=args.seed, disable_tqdm=True,
+        **{CHECKPOINTING_ARGUMENT: args.gradient_checkpointing},
     )
 
 

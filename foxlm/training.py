@@ -6,12 +6,16 @@ import time
 
 from peft import LoraConfig
 from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainingArguments
 
 # LLaMA's projections: LoRA adapts these. Registered for model_type "fox", so that
 # `get_peft_model(model, LoraConfig(...))` without `target_modules` picks the same projections.
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.setdefault("fox", LORA_TARGET_MODULES)
+# `TrainingArguments(**{CHECKPOINTING_ARGUMENT: True})`: transformers 5.23 renamed `gradient_checkpointing` to
+# `activation_checkpointing` (the old name still works there, with a warning; older versions know only it).
+CHECKPOINTING_ARGUMENT = next(name for name in ("activation_checkpointing", "gradient_checkpointing")
+                              if name in TrainingArguments.__dataclass_fields__)
 # FoX's own modules: small, and new after a conversion, so they train in full (PEFT `modules_to_save`).
 FOX_MODULES = ["fgate_proj", "fgate_bias", "k_shift_proj", "v_shift_proj", "q_norm", "k_norm", "output_norm",
                "ogate_proj"]
