@@ -26,7 +26,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_fox import FoxConfig
-from .kernels.decode import MAX_DECODE_QUERIES, forgetting_decode
+from .kernels.decode import MAX_DECODE_QUERIES, acp_threshold, forgetting_decode
 from .kernels.interface import forgetting_attention, packed_sequence_lengths
 from .kernels.layer_ops import head_rms_norm, token_shift
 from .remote_code import AUTO_MAP, write_remote_code
@@ -213,7 +213,7 @@ class FoxAttention(nn.Module):
             eps = eps or math.exp(-10)
             # log L over the longest sequence the model is meant for: the bound then holds for every later query.
             horizon = max(self.config.max_position_embeddings, past + T)
-            evict_delta = -2 * self._acp_bound(q, cache_layer) + (math.log(eps) - math.log(horizon))
+            evict_delta = acp_threshold(self._acp_bound(q, cache_layer), horizon, eps)
         cache_layer.update_fox(k.transpose(1, 2), v.transpose(1, 2), log_fgate.transpose(1, 2), raw_k, raw_v,
                                evict_delta=evict_delta, track_key_norm=eps is not None and not self.config.qk_norm)
         kwargs = dict(sm_scale=self.scaling, backend=self.config.attention_backend)
@@ -223,7 +223,7 @@ class FoxAttention(nn.Module):
         decode = T <= MAX_DECODE_QUERIES
         acp_delta = None
         if decode and eps is not None:
-            acp_delta = -2 * self._acp_bound(q, cache_layer) + (math.log(eps) - math.log(past + T))
+            acp_delta = acp_threshold(self._acp_bound(q, cache_layer), past + T, eps)
         outs, first_head = [], 0
         for keys, values, fgate_cumsum, evicted in cache_layer.kv_groups():
             heads = slice(first_head, first_head + fgate_cumsum.shape[1])
