@@ -218,9 +218,10 @@ def forgetting_attention(
 
 
 def _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start):
-    """c in float64, laid out (B, Hq, Tk), for the reference backward (the Triton path has `triton_gate_cumsum`)."""
+    """c in float64, laid out (B, Hq, Tk) and contiguous, for the reference backward, which only reads it (the Triton
+    path has `triton_gate_cumsum`)."""
     if gate_is_cumsum:
-        return gate.transpose(1, 2).to(torch.float64, memory_format=torch.contiguous_format, copy=True)
+        return gate.transpose(1, 2).to(torch.float64, memory_format=torch.contiguous_format)
     return fgate_cumsum_from_log_fgate(gate, cu_seqlens=cu_seqlens, seq_start=seq_start).transpose(1, 2).contiguous()
 
 
