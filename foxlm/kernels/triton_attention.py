@@ -890,6 +890,19 @@ def _head_group(pruned, group, block_d, num_bh):
     return 2 if pruned else 1
 
 
+def _hopper_kernels(q, k, c, key_bias, cu_seqlens, seq_start):
+    """`gluon_attention` where its Hopper kernels serve the call (the forward and the dK/dV pass: sm_90, bf16, head
+    dim 128, no GQA, equal-length unpadded sequences of a multiple of 128 positions), else None. Triton versions
+    without Gluon get None."""
+    if _INTERPRET or not q.is_cuda or not (c.is_contiguous() and key_bias.is_contiguous()):
+        return None
+    try:
+        from . import gluon_attention
+    except ImportError:
+        return None
+    return gluon_attention if gluon_attention.eligible(q, k, cu_seqlens, seq_start) else None
+
+
 def _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
     B, Tq, Hq, D = q.shape
     Tk = k.shape[1]
@@ -935,6 +948,11 @@ def triton_attention_forward(q, k, v, c, key_bias, sm_scale, cu_seqlens=None, ma
     lse = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
     if q.numel() == 0 or cfg["max_q"] == 0:
         return out.zero_(), lse.fill_(float("inf"))
+    hopper = _hopper_kernels(q, k, c, key_bias, cu_seqlens, seq_start)
+    if hopper is not None:
+        hopper.forward(q, k, v, c, key_bias, out, lse, sm_scale, cfg["bound"], cfg["log_eps"], prune_eps is not None,
+                       cfg["head_group"], pruned_counts)
+        return out, lse
     grid = lambda meta: (triton.cdiv(cfg["max_q"], meta["BLOCK_M"]) * cfg["n_seqs"] * Hq,)  # noqa: E731
     _fwd[grid](
         q, k, v, c, key_bias, out, lse, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
@@ -984,6 +1002,11 @@ def triton_attention_backward(do, q, k, v, out, lse, c, key_bias, sm_scale, cu_s
         BIAS_TMA=_dq_bias_tma(prune_eps is not None, cfg["block_d"], cu_seqlens is not None) and _use_tma(key_bias),
         **common,
     )
+    hopper = _hopper_kernels(q, k, c, key_bias, cu_seqlens, seq_start)
+    if hopper is not None:  # the dK/dV pass only: the Triton dQ pass above was faster than a Gluon one (notes)
+        hopper.dkdv(q, k, v, do, c, key_bias, lse, delta_corrected, dk, dv, dc, sm_scale, cfg["bound"], cfg["log_eps"],
+                    prune_eps is not None, cfg["head_group"])
+        return dq, dk, dv, dc
     grid_kv = lambda meta: (triton.cdiv(cfg["max_k"], meta["BLOCK_N"]) * cfg["n_seqs"] * Hkv,)  # noqa: E731
     _bwd_kv[grid_kv](
         q, k, v, c, do, lse, delta_corrected, dk, dv, dc, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
