@@ -29,6 +29,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .triton_attention import SEGMENT, _compute_capability
+
 ENABLED = os.environ.get("FOXLM_GLUON", "1") != "0"
 HEAD_DIM = 128
 TILE = 128  # query rows per forward program, keys per dK/dV program, and the key-bias segment
@@ -38,8 +40,9 @@ SEARCH_WIDTH = gl.constexpr(32)
 
 
 def eligible(q, k, cu_seqlens, seq_start):
-    """Whether these kernels serve the call (module docstring); the Triton kernels serve every other."""
-    return (ENABLED and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)
+    """Whether these kernels serve the call (module docstring); the Triton kernels serve every other. They read the
+    key biases of `triton_gate_cumsum`, whose segments must be their 128-position tiles."""
+    return (ENABLED and SEGMENT == TILE and q.is_cuda and _compute_capability(q.device.index) == (9, 0)
             and _eligible_shape(q, k, cu_seqlens, seq_start))
 
 
@@ -167,7 +170,7 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready
 def _fwd_consumer(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
                   C_row, C_SEG_row, anchor, row0, col0, lse_row, start_m, j0, n_iter, stride_ot, qk_scale):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    o_layout: gl.constexpr = s_layout  # S (64 x 128 keys) and O (64 x head dim 128) share one layout
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     my_start = start_m + wg * WG_ROWS
@@ -205,8 +208,8 @@ def _fwd_consumer(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
 
 @gluon.jit
 def _hopper_fwd_kernel(q_desc, k_desc, v_desc, C, C_SEG, O, LSE, BOUND, PRUNED, stride_ub, stride_uh, T, num_heads,
-                head_group, stride_ot, qk_scale, log_eps, PRUNE: gl.constexpr, COUNT_PRUNED: gl.constexpr,
-                num_warps: gl.constexpr):
+                       head_group, stride_ot, qk_scale, log_eps, PRUNE: gl.constexpr, COUNT_PRUNED: gl.constexpr,
+                       num_warps: gl.constexpr):
     n_m = T // 128
     bh, rank = _heaviest_first(gl.program_id(0), n_m, head_group)
     start_m = (n_m - 1 - rank) * 128  # the longest causal rows first
@@ -264,8 +267,8 @@ def forward(q, k, v, c, key_bias, out, lse, sm_scale, bound, log_eps, prune, hea
     grid = (T // TILE * B * H,)
     counts = q.new_empty((1,), dtype=torch.int32) if pruned_counts is None else pruned_counts
     _hopper_fwd_kernel[grid](_rows(q, 64), _rows(k, TILE), _rows(v, TILE), c, key_bias, out, lse, bound, counts,
-                      *bound.stride(), T, H, head_group, out.stride(1), sm_scale * 1.4426950408889634, log_eps,
-                      PRUNE=prune, COUNT_PRUNED=pruned_counts is not None, num_warps=4, maxnreg=168)
+                             *bound.stride(), T, H, head_group, out.stride(1), sm_scale * 1.4426950408889634, log_eps,
+                             PRUNE=prune, COUNT_PRUNED=pruned_counts is not None, num_warps=4, maxnreg=168)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -900,9 +900,7 @@ def _hopper_kernels(q, k, c, key_bias, cu_seqlens, seq_start):
         from . import gluon_attention
     except ImportError:
         return None
-    # They read the key biases of `triton_gate_cumsum`, whose segments must be their 128-position tiles.
-    usable = SEGMENT == gluon_attention.TILE and gluon_attention.eligible(q, k, cu_seqlens, seq_start)
-    return gluon_attention if usable else None
+    return gluon_attention if gluon_attention.eligible(q, k, cu_seqlens, seq_start) else None
 
 
 def _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
