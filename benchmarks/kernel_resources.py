@@ -41,7 +41,8 @@ KERNELS = {  # name: (jit function, autotune table)
 # Pointer arguments that are not bf16 (q, k, v, o and their gradients are).
 POINTER_DTYPES = {"C": torch.float64, "C_SEG": torch.float32, "LSE": torch.float32, "DELTA": torch.float32,
                   "DELTA_CORRECTED": torch.float32, "DC": torch.float32, "BOUND": torch.float32,
-                  "CU_SEQLENS": torch.int32, "SEQ_START": torch.int32, "PRUNED": torch.int32}
+                  "CU_SEQLENS": torch.int32, "SEQ_START": torch.int32, "PRUNED": torch.int32,
+                  "ROW_ORDER": torch.int32}
 FLOAT_ARGS = {"qk_scale": 0.125 * 1.4427, "sm_scale": 0.125, "log_eps": -10.0}
 
 
@@ -171,6 +172,8 @@ def main():
                                       **config.kwargs)
                     if "COUNT_PRUNED" in fn.arg_names:
                         constexprs["COUNT_PRUNED"] = False
+                    if "ORDERED" in fn.arg_names:  # as `_common` sets it: pruned, without GQA, head dim above 64
+                        constexprs["ORDERED"] = prune and head_dim > 64
                     if "SEGMENT" in fn.arg_names:
                         constexprs["SEGMENT"] = ta.SEGMENT
                     if "USE_TMA" in fn.arg_names:

@@ -5,9 +5,10 @@ language), with FlashAttention-3's warp specialization.
 dQ pass is always Triton's); `FOXLM_GLUON=0` turns them off. The math is the Triton kernels': scores in the log2
 domain, key biases in two parts (fp32 within a 128-position segment plus one float64 shift per block), the same
 pruning rule, searches and pruned-fraction counts, the same order of programs (heaviest blocks first). On an H100 at
-B1 x 16 heads x 16k, D128 (`NOTES_attention.md`, last section): forward 2.25-2.39 ms against 2.78-2.96 for the
-Triton forward, dK/dV 4.05-4.58 against 4.94-5.57 (kernel times, profiler); the ACP gate mix 3.66 ms = 1.97x cuDNN.
-A Gluon dQ pass of the same design was slower than the Triton one (3.6 against 2.9-3.2 ms) and is not used.
+B1 x 16 heads x 16k, D128 (`benchmarks/NOTES_attention.md`, sections of 2026-11-24): forward 2.25-2.39 ms against
+2.78-2.96 for the Triton forward, dK/dV 4.05-4.58 against 4.94-5.57 (kernel times, profiler); the ACP gate mix
+3.63-3.68 ms = 1.96-1.98x cuDNN (H100, H200). A Gluon dQ pass of the same design was slower than the Triton one (3.6
+against 2.9-3.2 ms) and is not used.
 
 Forward: one program per 128 query rows; two consumer warpgroups (64 rows each, each its own partition) take turns
 on the tensor cores, one's softmax under the other's matrix products (the turn passes through two mbarriers), and a
@@ -65,14 +66,17 @@ def _rows(x, block_rows):
 
 
 @gluon.jit
-def _heaviest_first(pid, num_blocks, head_group):
+def _heaviest_first(pid, num_blocks, head_group, ROW_ORDER, ORDERED: gl.constexpr):
     """As `triton_attention._heaviest_first`: ((sequence, head) row, rank), rank 0 the block with the most work."""
     per_group = head_group * num_blocks
     g = pid // per_group
     size = gl.minimum(head_group, gl.num_programs(0) // num_blocks - g * head_group)
     r = pid - g * per_group
     rank = r // size
-    return g * head_group + (r - rank * size), rank
+    row = g * head_group + (r - rank * size)
+    if ORDERED:
+        row = gl.load(ROW_ORDER + row)
+    return row, rank
 
 
 @gluon.jit
@@ -149,11 +153,7 @@ def _fwd_step(it, j0, wg: gl.constexpr, q, k_smem, v_smem, k_ready, k_empty, v_r
 
 
 @gluon.jit
-def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, row0,
-                  col0, start_m, j0, n_iter):
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row0 + start_m, col0], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [row0 + start_m + WG_ROWS, col0], q_bar, q_smem.index(1))
+def _fwd_producer(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, row0, col0, j0, n_iter):
     for it in range(n_iter):
         slot = it % 2
         phase = (it // 2) & 1
@@ -207,11 +207,11 @@ def _fwd_consumer(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
 
 
 @gluon.jit
-def _hopper_fwd_kernel(q_desc, k_desc, v_desc, C, C_SEG, O, LSE, BOUND, PRUNED, stride_ub, stride_uh, T, num_heads,
-                       head_group, stride_ot, qk_scale, log_eps, PRUNE: gl.constexpr, COUNT_PRUNED: gl.constexpr,
-                       num_warps: gl.constexpr):
+def _hopper_fwd_kernel(q_desc, k_desc, v_desc, C, C_SEG, O, LSE, BOUND, ROW_ORDER, PRUNED, stride_ub, stride_uh, T,
+                       num_heads, head_group, stride_ot, qk_scale, log_eps, PRUNE: gl.constexpr,
+                       ORDERED: gl.constexpr, COUNT_PRUNED: gl.constexpr, num_warps: gl.constexpr):
     n_m = T // 128
-    bh, rank = _heaviest_first(gl.program_id(0), n_m, head_group)
+    bh, rank = _heaviest_first(gl.program_id(0), n_m, head_group, ROW_ORDER, ORDERED)
     start_m = (n_m - 1 - rank) * 128  # the longest causal rows first
     b = bh // num_heads
     h = bh % num_heads
@@ -220,19 +220,6 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, C, C_SEG, O, LSE, BOUND, PRUNED, 
     lse_row = bh.to(gl.int64) * T
     C_row = C + lse_row
     C_SEG_row = C_SEG + lse_row
-    anchor = gl.load(C_row + start_m)
-    j0 = start_m * 0
-    if PRUNE:
-        threshold = _prune_threshold(BOUND, stride_ub, stride_uh, b, h, log_eps, T)
-        j0 = _first_block(C_row, anchor, threshold, j0, start_m // 128, 127, 128, False, num_warps)
-    n_iter = start_m // 128 + 1 - j0
-    if COUNT_PRUNED:
-        # Per query row: keys skipped, and keys visible (the denominator of the pruned fraction).
-        offs = start_m + gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-        rows = PRUNED + 2 * (lse_row + offs)
-        gl.store(rows, gl.zeros_like(offs) + j0 * 128)
-        gl.store(rows + 1, offs + 1)
-
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, WG_ROWS, 128], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, 128, 128], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, 128, 128], v_desc.layout)
@@ -250,25 +237,44 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, C, C_SEG, O, LSE, BOUND, PRUNED, 
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
     fence_async_shared()
+    # Q loads while the pruning search runs.
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row0 + start_m, col0], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [row0 + start_m + WG_ROWS, col0], q_bar, q_smem.index(1))
+    anchor = gl.load(C_row + start_m)
+    j0 = start_m * 0
+    if PRUNE:
+        threshold = _prune_threshold(BOUND, stride_ub, stride_uh, b, h, log_eps, T)
+        j0 = _first_block(C_row, anchor, threshold, j0, start_m // 128, 127, 128, False, num_warps)
+    n_iter = start_m // 128 + 1 - j0
+    if COUNT_PRUNED:
+        # Per query row: keys skipped, and keys visible (the denominator of the pruned fraction).
+        offs = start_m + gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        rows = PRUNED + 2 * (lse_row + offs)
+        gl.store(rows, gl.zeros_like(offs) + j0 * 128)
+        gl.store(rows + 1, offs + 1)
     gl.warp_specialize([
         (_fwd_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O, LSE, C_row,
                          C_SEG_row, anchor, row0, col0, lse_row, start_m, j0, n_iter, stride_ot, qk_scale)),
         (_fwd_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O, LSE, C_row,
                          C_SEG_row, anchor, row0, col0, lse_row, start_m, j0, n_iter, stride_ot, qk_scale)),
-        (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                         row0, col0, start_m, j0, n_iter)),
+        (_fwd_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, row0, col0, j0,
+                         n_iter)),
     ], [4, 1], [240, 24])
 
 
-def forward(q, k, v, c, key_bias, out, lse, sm_scale, bound, log_eps, prune, head_group, pruned_counts=None):
+def forward(q, k, v, c, key_bias, out, lse, sm_scale, bound, log_eps, prune, head_group, row_order, ordered,
+            pruned_counts=None):
     """Fills out (B, T, H, D), lse (B, H, T) and pruned_counts (if given) as `triton_attention_forward` does;
-    c and key_bias (B, H, T) contiguous."""
+    c and key_bias (B, H, T) contiguous; programs in the order of row_order (`triton_attention._row_order`) if
+    `ordered`."""
     B, T, H, _ = q.shape
     grid = (T // TILE * B * H,)
     counts = q.new_empty((1,), dtype=torch.int32) if pruned_counts is None else pruned_counts
-    _hopper_fwd_kernel[grid](_rows(q, 64), _rows(k, TILE), _rows(v, TILE), c, key_bias, out, lse, bound, counts,
-                             *bound.stride(), T, H, head_group, out.stride(1), sm_scale * 1.4426950408889634, log_eps,
-                             PRUNE=prune, COUNT_PRUNED=pruned_counts is not None, num_warps=4, maxnreg=168)
+    _hopper_fwd_kernel[grid](_rows(q, 64), _rows(k, TILE), _rows(v, TILE), c, key_bias, out, lse, bound, row_order,
+                             counts, *bound.stride(), T, H, head_group, out.stride(1), sm_scale * 1.4426950408889634,
+                             log_eps, PRUNE=prune, ORDERED=ordered, COUNT_PRUNED=pruned_counts is not None,
+                             num_warps=4, maxnreg=168)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -320,9 +326,9 @@ def _kv_step(it, dk, dv, dc, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q
 
 
 @gluon.jit
-def _hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, C, Q_BIAS, DELTA, DK, DV, DC, BOUND, stride_ub, stride_uh,
-                        T, num_heads, head_group, stride_dkt, stride_dvt, qk_scale, sm_scale, log_eps,
-                        PRUNE: gl.constexpr, num_warps: gl.constexpr):
+def _hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, C, Q_BIAS, DELTA, DK, DV, DC, BOUND, ROW_ORDER, stride_ub,
+                        stride_uh, T, num_heads, head_group, stride_dkt, stride_dvt, qk_scale, sm_scale, log_eps,
+                        PRUNE: gl.constexpr, ORDERED: gl.constexpr, num_warps: gl.constexpr):
     # S^T, dP^T: (keys, queries); dK, dV: (keys, d); each warpgroup its 64 keys.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, 64, 16])
@@ -331,7 +337,7 @@ def _hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, C, Q_BIAS, DELTA, DK, D
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     keys_l: gl.constexpr = gl.SliceLayout(1, st_layout)
     n_n = T // 128
-    bh, rank = _heaviest_first(gl.program_id(0), n_n, head_group)
+    bh, rank = _heaviest_first(gl.program_id(0), n_n, head_group, ROW_ORDER, ORDERED)
     start_n = rank * 128  # the earliest keys (seen by the most queries) first
     b = bh // num_heads
     h = bh % num_heads
@@ -399,16 +405,17 @@ def _hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, C, Q_BIAS, DELTA, DK, D
         mbarrier.invalidate(do_bar.index(i))
 
 
-def dkdv(q, k, v, do, c, key_bias, lse, delta, dk, dv, dc, sm_scale, bound, log_eps, prune, head_group):
+def dkdv(q, k, v, do, c, key_bias, lse, delta, dk, dv, dc, sm_scale, bound, log_eps, prune, head_group, row_order,
+         ordered):
     """Fills dk, dv (B, T, H, D) and dc (B, H, T) as the Triton dK/dV pass does; delta corrected by the dQ pass."""
     B, T, H, _ = q.shape
     grid = (T // TILE * B * H,)
     # Query biases (c_t - c_s) log2(e) - lse_t in fp32 (s the segment start), one vector for the loop to read.
     q_bias = key_bias - lse
     _hopper_dkdv_kernel[grid](_rows(q, BLOCK_M_BWD), _rows(k, TILE), _rows(v, TILE), _rows(do, BLOCK_M_BWD), c,
-                              q_bias, delta, dk, dv, dc, bound, *bound.stride(), T, H, head_group, dk.stride(1),
-                              dv.stride(1), sm_scale * 1.4426950408889634, sm_scale, log_eps, PRUNE=prune,
-                              num_warps=8)
+                              q_bias, delta, dk, dv, dc, bound, row_order, *bound.stride(), T, H, head_group,
+                              dk.stride(1), dv.stride(1), sm_scale * 1.4426950408889634, sm_scale, log_eps,
+                              PRUNE=prune, ORDERED=ordered, num_warps=8)
 
 
 __all__ = ["ENABLED", "eligible", "forward", "dkdv"]

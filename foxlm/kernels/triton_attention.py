@@ -152,17 +152,21 @@ def _sequence(CU_SEQLENS, SEQ_START, b, Tq, Tk, IS_VARLEN: tl.constexpr, HAS_SEQ
 
 
 @triton.jit
-def _heaviest_first(pid, num_blocks, head_group):
+def _heaviest_first(pid, num_blocks, head_group, ROW_ORDER, ORDERED: tl.constexpr):
     """(sequence * heads + head, i) of program `pid`, i = 0 for the block with the most causal work. The (sequence,
     head) pairs go in groups of `head_group` (the last group may be smaller), and within a group the heavy blocks of
-    all its pairs go first, so the scheduler's last programs are short ones (list scheduling). 1: head by head."""
+    all its pairs go first, so the scheduler's last programs are short ones (list scheduling). 1: head by head.
+    ORDERED: the pairs in the order of ROW_ORDER (`_row_order`: the least pruned first), else in index order."""
     per_group = head_group * num_blocks
     g = pid // per_group
     size = tl.minimum(head_group, tl.num_programs(0) // num_blocks - g * head_group)
     # Subtractions, not `%`: with `pid % num_blocks` ptxas (Triton 3.6, sm_90) serialized the packed D128 dK/dV wgmma.
     r = pid - g * per_group
     rank = r // size
-    return g * head_group + (r - rank * size), rank
+    row = g * head_group + (r - rank * size)
+    if ORDERED:
+        row = tl.load(ROW_ORDER + row)
+    return row, rank
 
 
 @triton.jit
@@ -266,17 +270,17 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, C, C_SEG, stride_kt, stride_vt, stride_ct
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, C, C_SEG, O, LSE, CU_SEQLENS, SEQ_START, BOUND, PRUNED,
+def _fwd_kernel(Q, K, V, C, C_SEG, O, LSE, CU_SEQLENS, SEQ_START, BOUND, ROW_ORDER, PRUNED,
                 stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 stride_ob, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_ub, stride_uh,
                 Tq, Tk, max_seqlen_q, num_heads, group, head_group, tune_seqlen, qk_scale, log_eps,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
                 HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
-                COUNT_PRUNED: tl.constexpr, SEARCH_WIDTH: tl.constexpr,
+                ORDERED: tl.constexpr, COUNT_PRUNED: tl.constexpr, SEARCH_WIDTH: tl.constexpr,
                 SEGMENT: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(max_seqlen_q, BLOCK_M)
-    bh, heavy_rank = _heaviest_first(pid, num_m, head_group)
+    bh, heavy_rank = _heaviest_first(pid, num_m, head_group, ROW_ORDER, ORDERED)
     start_m = (num_m - 1 - heavy_rank) * BLOCK_M  # the longest causal rows first
     b = bh // num_heads
     h = bh % num_heads
@@ -385,18 +389,17 @@ def _bwd_kv_inner(dk, dv, dc, k, v, k_bias, Q, DO, C, LSE, DELTA, stride_qt, str
 
 
 @triton.jit
-def _bwd_kv_kernel(Q, K, V, C, DO, LSE, DELTA, DK, DV, DC, CU_SEQLENS, SEQ_START, BOUND,
+def _bwd_kv_kernel(Q, K, V, C, DO, LSE, DELTA, DK, DV, DC, CU_SEQLENS, SEQ_START, BOUND, ROW_ORDER,
                    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh,
                    stride_dvb, stride_dvt, stride_dvh, stride_cb, stride_ct, stride_ch, stride_ub, stride_uh,
                    Tq, Tk, max_seqlen_k, num_heads, group, head_group, tune_seqlen, qk_scale, sm_scale, log_eps,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_VARLEN: tl.constexpr,
                    HAS_SEQ_START: tl.constexpr, DOT_PRECISION: tl.constexpr, PRUNE: tl.constexpr,
-                   SEARCH_WIDTH: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   ORDERED: tl.constexpr, SEARCH_WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_n = tl.cdiv(max_seqlen_k, BLOCK_N)
-    bh, heavy_rank = _heaviest_first(pid, num_n, head_group)
+    bh, heavy_rank = _heaviest_first(pid, num_n, head_group, ROW_ORDER, ORDERED)
     start_n = heavy_rank * BLOCK_N  # the earliest keys, seen by the most queries, first
     num_kv_heads = num_heads // group
     b = bh // num_kv_heads
@@ -489,7 +492,7 @@ def _bwd_q_kernel(Q, K, V, C, C_SEG, DO, LSE, DELTA, DQ, DELTA_CORRECTED, CU_SEQ
                   USE_TMA: tl.constexpr, BIAS_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(max_seqlen_q, BLOCK_M)
-    bh, heavy_rank = _heaviest_first(pid, num_m, head_group)
+    bh, heavy_rank = _heaviest_first(pid, num_m, head_group, None, False)  # rows in index order: `_row_order`
     start_m = (num_m - 1 - heavy_rank) * BLOCK_M  # the longest causal rows first
     b = bh // num_heads
     h = bh % num_heads
@@ -679,6 +682,26 @@ def _max_square_norms_kernel(Q, K, PARTIAL, Tq, Tk, Hq, Hkv, n_blocks, stride_qb
 # reads (`_tune_seqlen`). Pruned and unpruned launches share the choice, so that pruning nothing is bit-identical to
 # not pruning. Configurations whose pipelined tiles do not fit the device's shared memory are dropped first, so that
 # GPUs with ~100 KB per block (Ada, consumer Blackwell) get smaller tiles instead of an error.
+
+
+@triton.jit
+def _row_work_kernel(C, CU_SEQLENS, SEQ_START, BOUND, WORK, stride_cb, stride_ct, stride_ch, stride_ub, stride_uh,
+                     Tq, Tk, num_heads, log_eps, IS_VARLEN: tl.constexpr, HAS_SEQ_START: tl.constexpr):
+    """WORK[row] = floor(log2(share)), share ~ the part of the (sequence, head) row's causal work that pruning keeps:
+    about 2|delta| / |c_last| for a head that forgets at a steady rate (c_last its sequence's total log forget gate),
+    at most 1 (heads that keep everything, NaN bounds); -inf for empty sequences. Classes of powers of two, so that
+    rows of about the same work keep their index order: in the exact order of c_last the head-dim-64 passes ran 2-3%
+    slower on an H100, in classes as in index order; at 128 the two orders measured within 2% of each other
+    (`benchmarks/results/row_order_ab_*.json`)."""
+    row = tl.program_id(0)
+    b = row // num_heads
+    h = row % num_heads
+    batch, bos, seq_q, seq_k, kv_start = _sequence(CU_SEQLENS, SEQ_START, b, Tq, Tk, IS_VARLEN, HAS_SEQ_START)
+    threshold = _prune_threshold(BOUND, stride_ub, stride_uh, batch, h, log_eps, seq_k, kv_start)
+    c_last = tl.load(C + batch * stride_cb + h * stride_ch + (bos + tl.maximum(seq_k - 1, 0)) * stride_ct,
+                     mask=seq_k > 0, other=0.0)
+    share = tl.minimum(2.0 * threshold / tl.minimum(c_last, -1e-30), 1.0)
+    tl.store(WORK + row, tl.where(seq_k > 0, tl.floor(tl.log2(share.to(tl.float32))), float("-inf")))
 
 
 def _configs(entries):
@@ -883,11 +906,30 @@ def _head_group(pruned, group, block_d, num_bh):
     H100, `benchmarks/results/head_order_ab_*.json`). At head dim 128 and more without GQA, the K/V of all heads in
     flight at once (two pipeline stages to hide their misses) cost more: head by head was 3% faster at 16k, and with
     pruning, pairs of heads kept most of the all-heads gain on the ACP gate mix while matching the unpruned speed on
-    open gates (`benchmarks/results/head_group_ab_*.json`). The dK/dV launch takes the same count: its pairs are
-    (sequence, KV head), no more than `num_bh`, and as many without GQA."""
+    open gates (`benchmarks/results/head_group_ab_*.json`); the pairs then come in the order of `_row_order`. The
+    dK/dV launch takes the same count: its pairs are (sequence, KV head), no more than `num_bh`, and as many without
+    GQA."""
     if group > 1 or block_d <= 64:
         return max(num_bh, 1)
     return 2 if pruned else 1
+
+
+def _row_order(c, bound, log_eps, cu_seqlens, seq_start, Tq, Tk):
+    """The (sequence, head) rows of a pruned launch, those expected to keep the most work first (`_row_work_kernel`),
+    ties in index order; int32 (rows,), no host sync. Pruning leaves heads that forget fast a few blocks per program
+    and heads that forget slowly nearly all of theirs; in index order the slow heads' heavy blocks can start last and
+    the launch end on them. Used where rows go in groups smaller than all of them (`_head_group`: pruned head dim 128
+    without GQA), by the forward and the dK/dV pass: there, on the ACP gate mix, the forward ran 0.5-2% and the dK/dV
+    pass 4-5% faster with it, the dQ pass 5-6% slower (H100; 2.5% less forward+backward with the slow heads at random
+    places on an H200), and at head dim 64 (all rows in one group) the whole call 0.5-1.5% slower
+    (`benchmarks/results/row_order_ab_*.json`)."""
+    n_seqs = c.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    num_heads = c.shape[1]
+    work = torch.empty(n_seqs * num_heads, device=c.device, dtype=torch.float32)
+    _row_work_kernel[(work.shape[0],)](c, cu_seqlens, seq_start, bound, work, c.stride(0), c.stride(2), c.stride(1),
+                                       *bound.stride(), Tq, Tk, num_heads, log_eps,
+                                       IS_VARLEN=cu_seqlens is not None, HAS_SEQ_START=seq_start is not None)
+    return torch.argsort(work, descending=True, stable=True).to(torch.int32)
 
 
 def _hopper_kernels(q, k, c, key_bias, cu_seqlens, seq_start):
@@ -903,7 +945,7 @@ def _hopper_kernels(q, k, c, key_bias, cu_seqlens, seq_start):
     return gluon_attention if gluon_attention.eligible(q, k, cu_seqlens, seq_start) else None
 
 
-def _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
+def _common(q, k, c, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
     B, Tq, Hq, D = q.shape
     Tk = k.shape[1]
     if cu_seqlens is not None:
@@ -918,18 +960,21 @@ def _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
     # Pruning: U per (batch, query head), broadcast through strides. Unused pointers still get tensors of the same
     # dtypes: the autotuner keys on argument dtypes, and pruned and unpruned launches must share one configuration
     # (pruning nothing is then bit-identical to not pruning, at the same speed).
+    block_d, group = max(16, triton.next_power_of_2(D)), Hq // k.shape[2]
+    head_group = _head_group(prune_eps is not None, group, block_d, n_seqs * Hq)
+    ordered = prune_eps is not None and head_group < n_seqs * Hq
     if prune_eps is None:
         bound = q.new_empty((1,), dtype=torch.float32).expand(B, Hq)
     else:
         bound = score_bound.to(device=q.device, dtype=torch.float32).expand(B, Hq)
-    block_d, group = max(16, triton.next_power_of_2(D)), Hq // k.shape[2]
+    row_order = (_row_order(c, bound, math.log(prune_eps), cu_seqlens, seq_start, Tq, Tk) if ordered
+                 else q.new_empty((1,), dtype=torch.int32))
     return dict(
         n_seqs=n_seqs, max_q=max_q, max_k=max_k, cu_seqlens=cu_seqlens, seq_start=seq_start,
         block_d=block_d, group=group, tune_seqlen=_tune_seqlen(max_k),
         dot_precision="ieee" if q.dtype == torch.float32 else "tf32",
-        bound=bound, bound_strides=bound.stride(),
-        log_eps=0.0 if prune_eps is None else math.log(prune_eps),
-        head_group=_head_group(prune_eps is not None, group, block_d, n_seqs * Hq),
+        bound=bound, bound_strides=bound.stride(), row_order=row_order, ordered=ordered,
+        log_eps=0.0 if prune_eps is None else math.log(prune_eps), head_group=head_group,
     )
 
 
@@ -943,7 +988,7 @@ def triton_attention_forward(q, k, v, c, key_bias, sm_scale, cu_seqlens=None, ma
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, Tq, Hq, D = q.shape
     Tk = k.shape[1]
-    cfg = _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound)
+    cfg = _common(q, k, c, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
     if q.numel() == 0 or cfg["max_q"] == 0:
@@ -951,18 +996,18 @@ def triton_attention_forward(q, k, v, c, key_bias, sm_scale, cu_seqlens=None, ma
     hopper = _hopper_kernels(q, k, c, key_bias, cu_seqlens, seq_start)
     if hopper is not None:
         hopper.forward(q, k, v, c, key_bias, out, lse, sm_scale, cfg["bound"], cfg["log_eps"], prune_eps is not None,
-                       cfg["head_group"], pruned_counts)
+                       cfg["head_group"], cfg["row_order"], cfg["ordered"], pruned_counts)
         return out, lse
     grid = lambda meta: (triton.cdiv(cfg["max_q"], meta["BLOCK_M"]) * cfg["n_seqs"] * Hq,)  # noqa: E731
     _fwd[grid](
-        q, k, v, c, key_bias, out, lse, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
+        q, k, v, c, key_bias, out, lse, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"], cfg["row_order"],
         q.new_empty((1,), dtype=torch.int32) if pruned_counts is None else pruned_counts,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], c.stride(0), c.stride(2), c.stride(1),
         *cfg["bound_strides"], Tq, Tk, cfg["max_q"], Hq, cfg["group"], cfg["head_group"], cfg["tune_seqlen"],
         sm_scale * LOG2E, cfg["log_eps"],
         HEAD_DIM=D, BLOCK_D=cfg["block_d"], IS_VARLEN=cu_seqlens is not None,
         HAS_SEQ_START=seq_start is not None, DOT_PRECISION=cfg["dot_precision"], PRUNE=prune_eps is not None,
-        COUNT_PRUNED=pruned_counts is not None, SEARCH_WIDTH=SEARCH_WIDTH,
+        ORDERED=cfg["ordered"], COUNT_PRUNED=pruned_counts is not None, SEARCH_WIDTH=SEARCH_WIDTH,
         SEGMENT=SEGMENT, USE_TMA=_use_tma(k, v),
     )
     return out, lse
@@ -975,7 +1020,7 @@ def triton_attention_backward(do, q, k, v, out, lse, c, key_bias, sm_scale, cu_s
     q, k, v, out, do = (_last_dim_contiguous(t) for t in (q, k, v, out, do))
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
-    cfg = _common(q, k, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound)
+    cfg = _common(q, k, c, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -1005,14 +1050,15 @@ def triton_attention_backward(do, q, k, v, out, lse, c, key_bias, sm_scale, cu_s
     hopper = _hopper_kernels(q, k, c, key_bias, cu_seqlens, seq_start)
     if hopper is not None:  # the dK/dV pass only: the Triton dQ pass above was faster than a Gluon one (notes)
         hopper.dkdv(q, k, v, do, c, key_bias, lse, delta_corrected, dk, dv, dc, sm_scale, cfg["bound"], cfg["log_eps"],
-                    prune_eps is not None, cfg["head_group"])
+                    prune_eps is not None, cfg["head_group"], cfg["row_order"], cfg["ordered"])
         return dq, dk, dv, dc
     grid_kv = lambda meta: (triton.cdiv(cfg["max_k"], meta["BLOCK_N"]) * cfg["n_seqs"] * Hkv,)  # noqa: E731
     _bwd_kv[grid_kv](
         q, k, v, c, do, lse, delta_corrected, dk, dv, dc, cfg["cu_seqlens"], cfg["seq_start"], cfg["bound"],
+        cfg["row_order"],
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
         *c_strides, *cfg["bound_strides"], Tq, Tk, cfg["max_k"], Hq, cfg["group"], cfg["head_group"],
-        cfg["tune_seqlen"], sm_scale * LOG2E, sm_scale, cfg["log_eps"], **common,
+        cfg["tune_seqlen"], sm_scale * LOG2E, sm_scale, cfg["log_eps"], ORDERED=cfg["ordered"], **common,
     )
     return dq, dk, dv, dc
 

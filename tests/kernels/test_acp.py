@@ -102,6 +102,35 @@ def test_open_gates_prune_nothing_and_match_the_unpruned_kernel_bit_for_bit():
         assert torch.equal(g, g_p)
 
 
+def test_pruned_launches_start_the_rows_with_the_most_work_and_give_the_same_results(monkeypatch):
+    ta = pytest.importorskip("foxlm.kernels.triton_attention")
+    torch.manual_seed(0)
+    B, T, H, D = 2, 96, 4, 128  # head dim above 64 without GQA: rows go in pairs, in this order (`_common`)
+    log_fgate = fast_and_slow_gates(B, T, H)  # heads 0, 2 forget fast, 1, 3 barely
+    log_fgate[0, :, 1] = log_fgate[0, :, 0]
+    c, _ = ta.triton_gate_cumsum(log_fgate, False)
+    order = ta._row_order(c, torch.ones(B, H, device=DEVICE), math.log(EPS), None, None, T, T)
+    assert order.dtype == torch.int32
+    assert order.tolist()[:3] == [3, 5, 7] and sorted(order.tolist()[3:]) == [0, 1, 2, 4, 6]  # ties: index order
+    cu_seqlens = torch.tensor([0, 30, 30, 96], device=DEVICE, dtype=torch.int32)  # the second sequence is empty
+    c_packed, _ = ta.triton_gate_cumsum(log_fgate[:1], False, cu_seqlens)
+    order_packed = ta._row_order(c_packed, torch.ones(1, H, device=DEVICE), math.log(EPS), cu_seqlens, None, T, T)
+    # Sequence 0 is too short to prune, sequence 2 prunes its fast heads 0-2, the empty one has no work.
+    assert order_packed.tolist() == [0, 1, 2, 3, 11, 8, 9, 10, 4, 5, 6, 7]
+
+    q, k, v = (torch.randn(B, T, H, D, device=DEVICE) * 0.3 for _ in range(3))
+    orders = []
+    monkeypatch.setattr(ta, "_row_order", lambda *args: orders.append(order) or order)
+    sorted_rows = run(q, k, v, log_fgate, prune_eps=EPS)
+    index_order = torch.arange(B * H, dtype=torch.int32, device=DEVICE)
+    monkeypatch.setattr(ta, "_row_order", lambda *args: orders.append(index_order) or index_order)
+    index_rows = run(q, k, v, log_fgate, prune_eps=EPS)
+    assert len(orders) == 4  # the forward and the backward of each call
+    assert torch.equal(sorted_rows[0], index_rows[0])
+    for g, g_index in zip(sorted_rows[2], index_rows[2]):
+        assert torch.equal(g, g_index)
+
+
 def test_statistics_record_only_pruned_calls_inside_the_block():
     q, k, v = (torch.randn(1, 40, 2, 16, device=DEVICE) for _ in range(3))
     log_fgate = torch.full((1, 40, 2), -3.0, device=DEVICE)
