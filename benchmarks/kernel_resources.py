@@ -166,14 +166,17 @@ def main():
             configs = table[head_dim][:1] if args.first_only else table[head_dim]
             for config in configs:
                 for prune in (False, True) if args.prune else (False,):
+                    arguments = launch_arguments(fn, head_dim)
+                    # dK/dV programs walk (sequence, KV head) pairs: with a group of 1 as many as the query heads'.
+                    arguments["head_group"] = ta._head_group(prune, 1, head_dim, arguments["num_heads"])
                     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, IS_VARLEN=args.layout == "packed",
                                       HAS_SEQ_START=args.layout == "padded",
                                       DOT_PRECISION="tf32", PRUNE=prune, SEARCH_WIDTH=ta.SEARCH_WIDTH,
                                       **config.kwargs)
                     if "COUNT_PRUNED" in fn.arg_names:
                         constexprs["COUNT_PRUNED"] = False
-                    if "ORDERED" in fn.arg_names:  # as `_common` sets it: pruned, without GQA, head dim above 64
-                        constexprs["ORDERED"] = prune and head_dim > 64
+                    if "ORDERED" in fn.arg_names:  # as `_common` sets it: pruned rows in groups smaller than all
+                        constexprs["ORDERED"] = prune and arguments["head_group"] < arguments["num_heads"]
                     if "SEGMENT" in fn.arg_names:
                         constexprs["SEGMENT"] = ta.SEGMENT
                     if "USE_TMA" in fn.arg_names:
@@ -181,9 +184,6 @@ def main():
                     if "BIAS_TMA" in fn.arg_names:
                         constexprs["BIAS_TMA"] = args.loads == "tma" and ta._dq_bias_tma(prune, head_dim,
                                                                                           args.layout == "packed")
-                    arguments = launch_arguments(fn, head_dim)
-                    # dK/dV programs walk (sequence, KV head) pairs: with a group of 1 as many as the query heads'.
-                    arguments["head_group"] = ta._head_group(prune, 1, head_dim, arguments["num_heads"])
                     compiled = compile_kernel(fn, constexprs, config.num_warps, config.num_stages, args.arch,
                                               arguments)
                     usage, loop = resource_usage(compiled), main_loop(compiled)
