@@ -362,9 +362,13 @@ def _(do, q, k, v, gate, out, lse, c, key_bias, gate_is_cumsum, sm_scale, cu_seq
 def _setup_context(ctx, inputs, output):
     q, k, v, gate, gate_is_cumsum, sm_scale, cu_seqlens, max_seqlen, seq_start, use_triton, *prune = inputs
     prune_eps, score_bound = (prune + [None, None])[:2]
-    out, lse, _, c, key_bias = output
+    out, lse, counts, c, key_bias = output
     ctx.save_for_backward(q, k, v, gate, out, lse, c, key_bias, cu_seqlens, seq_start, score_bound)
     ctx.args = (gate_is_cumsum, sm_scale, max_seqlen, use_triton, prune_eps)
+    # Only `out` is differentiable, and its gradient is never materialized as zeros: autograd would otherwise fill
+    # zero gradients of lse, c and key_bias in three launches per backward.
+    ctx.mark_non_differentiable(lse, counts, c, key_bias)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, do, _dlse, _dcounts, _dc, _dkey_bias):

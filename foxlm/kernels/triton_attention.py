@@ -685,23 +685,45 @@ def _max_square_norms_kernel(Q, K, PARTIAL, Tq, Tk, Hq, Hkv, n_blocks, stride_qb
 
 
 @triton.jit
-def _row_work_kernel(C, CU_SEQLENS, SEQ_START, BOUND, WORK, stride_cb, stride_ct, stride_ch, stride_ub, stride_uh,
-                     Tq, Tk, num_heads, log_eps, IS_VARLEN: tl.constexpr, HAS_SEQ_START: tl.constexpr):
-    """WORK[row] = floor(log2(share)), share ~ the part of the (sequence, head) row's causal work that pruning keeps:
-    about 2|delta| / |c_last| for a head that forgets at a steady rate (c_last its sequence's total log forget gate),
-    at most 1 (heads that keep everything, NaN bounds); -inf for empty sequences. Classes of powers of two, so that
-    rows of about the same work keep their index order: in the exact order of c_last the head-dim-64 passes ran 2-3%
-    slower on an H100, in classes as in index order; at 128 the two orders measured within 2% of each other
-    (`benchmarks/results/row_order_ab_*.json`)."""
-    row = tl.program_id(0)
-    b = row // num_heads
-    h = row % num_heads
+def _row_work(C, CU_SEQLENS, SEQ_START, BOUND, rows, stride_cb, stride_ct, stride_ch, stride_ub, stride_uh, Tq, Tk,
+              num_heads, log_eps, IS_VARLEN: tl.constexpr, HAS_SEQ_START: tl.constexpr):
+    """floor(log2(share)) of each (sequence * heads + head) row in `rows` (all < the row count), share ~ the part
+    of the row's causal work that pruning keeps: about 2|delta| / |c_last| for a head that forgets at a steady rate
+    (c_last its sequence's total log forget gate), at most 1 (heads that keep everything, NaN bounds or gates);
+    -inf for empty sequences. Classes of powers of two, so that rows of about the same work keep their index order:
+    in the exact order of c_last the head-dim-64 passes ran 2-3% slower on an H100, in classes as in index order; at
+    128 the two orders measured within 2% of each other (`benchmarks/results/row_order_ab_*.json`)."""
+    b = rows // num_heads
+    h = rows % num_heads
     batch, bos, seq_q, seq_k, kv_start = _sequence(CU_SEQLENS, SEQ_START, b, Tq, Tk, IS_VARLEN, HAS_SEQ_START)
     threshold = _prune_threshold(BOUND, stride_ub, stride_uh, batch, h, log_eps, seq_k, kv_start)
+    nonempty = rows * 0 + seq_k > 0  # a vector also where seq_k is the launch's scalar length
     c_last = tl.load(C + batch * stride_cb + h * stride_ch + (bos + tl.maximum(seq_k - 1, 0)) * stride_ct,
-                     mask=seq_k > 0, other=0.0)
+                     mask=nonempty, other=0.0)
     share = tl.minimum(2.0 * threshold / tl.minimum(c_last, -1e-30), 1.0)
-    tl.store(WORK + row, tl.where(seq_k > 0, tl.floor(tl.log2(share.to(tl.float32))), float("-inf")))
+    work = tl.floor(tl.log2(share.to(tl.float32)))
+    return tl.where(nonempty, tl.where(work == work, work, 0.0), float("-inf"))
+
+
+@triton.jit
+def _row_order_kernel(C, CU_SEQLENS, SEQ_START, BOUND, ORDER, stride_cb, stride_ct, stride_ch, stride_ub, stride_uh,
+                      Tq, Tk, num_heads, n_rows, log_eps, IS_VARLEN: tl.constexpr, HAS_SEQ_START: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """ORDER[rank] = row for BLOCK rows: rank = the rows of more work (`_row_work`), and of the same work with a lower
+    index, before it; a stable descending sort in one launch, counting over all rows in chunks of BLOCK."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = rows < n_rows
+    work = _row_work(C, CU_SEQLENS, SEQ_START, BOUND, tl.minimum(rows, n_rows - 1), stride_cb, stride_ct, stride_ch,
+                     stride_ub, stride_uh, Tq, Tk, num_heads, log_eps, IS_VARLEN, HAS_SEQ_START)
+    rank = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, n_rows, BLOCK):
+        others = start + tl.arange(0, BLOCK)
+        other_work = _row_work(C, CU_SEQLENS, SEQ_START, BOUND, tl.minimum(others, n_rows - 1), stride_cb, stride_ct,
+                               stride_ch, stride_ub, stride_uh, Tq, Tk, num_heads, log_eps, IS_VARLEN, HAS_SEQ_START)
+        before = (other_work[None, :] > work[:, None]) | ((other_work[None, :] == work[:, None])
+                                                          & (others[None, :] < rows[:, None]))
+        rank += tl.sum((before & (others[None, :] < n_rows)).to(tl.int32), 1)
+    tl.store(ORDER + rank, rows, mask=valid)
 
 
 def _configs(entries):
@@ -915,21 +937,24 @@ def _head_group(pruned, group, block_d, num_bh):
 
 
 def _row_order(c, bound, log_eps, cu_seqlens, seq_start, Tq, Tk):
-    """The (sequence, head) rows of a pruned launch, those expected to keep the most work first (`_row_work_kernel`),
-    ties in index order; int32 (rows,), no host sync. Pruning leaves heads that forget fast a few blocks per program
-    and heads that forget slowly nearly all of theirs; in index order the slow heads' heavy blocks can start last and
-    the launch end on them. Used where rows go in groups smaller than all of them (`_head_group`: pruned head dim 128
-    without GQA), by the forward and the dK/dV pass: there, on the ACP gate mix, the forward ran 0.5-2% and the dK/dV
-    pass 4-5% faster with it, the dQ pass 5-6% slower (H100; 2.5% less forward+backward with the slow heads at random
-    places on an H200), and at head dim 64 (all rows in one group) the whole call 0.5-1.5% slower
-    (`benchmarks/results/row_order_ab_*.json`)."""
+    """The (sequence, head) rows of a pruned launch, those expected to keep the most work first (`_row_work`), ties in
+    index order; int32 (rows,), one launch (`_row_order_kernel`; a torch argsort took five), no host sync. Pruning
+    leaves heads that forget fast a few blocks per program and heads that forget slowly nearly all of theirs; in
+    index order the slow heads' heavy blocks can start last and the launch end on them. Used where rows go in groups
+    smaller than all of them (`_head_group`: pruned head dim 128 without GQA), by the forward and the dK/dV pass:
+    there, on the ACP gate mix, the forward ran 0.5-2% and the dK/dV pass 4-5% faster with it, the dQ pass 5-6%
+    slower (H100; 2.5% less forward+backward with the slow heads at random places on an H200), and at head dim 64
+    (all rows in one group) the whole call 0.5-1.5% slower (`benchmarks/results/row_order_ab_*.json`)."""
     n_seqs = c.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     num_heads = c.shape[1]
-    work = torch.empty(n_seqs * num_heads, device=c.device, dtype=torch.float32)
-    _row_work_kernel[(work.shape[0],)](c, cu_seqlens, seq_start, bound, work, c.stride(0), c.stride(2), c.stride(1),
-                                       *bound.stride(), Tq, Tk, num_heads, log_eps,
-                                       IS_VARLEN=cu_seqlens is not None, HAS_SEQ_START=seq_start is not None)
-    return torch.argsort(work, descending=True, stable=True).to(torch.int32)
+    n_rows = n_seqs * num_heads
+    order = torch.empty(n_rows, device=c.device, dtype=torch.int32)
+    block = min(max(triton.next_power_of_2(n_rows), 16), 128)  # a few rows: a small count, not 128 x 128
+    _row_order_kernel[(triton.cdiv(n_rows, block),)](
+        c, cu_seqlens, seq_start, bound, order, c.stride(0), c.stride(2), c.stride(1), *bound.stride(), Tq, Tk,
+        num_heads, n_rows, log_eps, IS_VARLEN=cu_seqlens is not None, HAS_SEQ_START=seq_start is not None,
+        BLOCK=block)
+    return order
 
 
 def _hopper_kernels(q, k, c, key_bias, cu_seqlens, seq_start):

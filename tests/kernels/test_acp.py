@@ -131,6 +131,29 @@ def test_pruned_launches_start_the_rows_with_the_most_work_and_give_the_same_res
         assert torch.equal(g, g_index)
 
 
+def test_row_order_is_a_stable_descending_sort_of_the_rows_work_over_several_launch_blocks():
+    # 3 x 100 rows: more than one program's block (128) and several chunks of the count; heads in pairs of equal
+    # gates (ties), decay rates spread over classes, one left-padded sequence, one NaN bound, one NaN gate.
+    ta = pytest.importorskip("foxlm.kernels.triton_attention")
+    torch.manual_seed(0)
+    B, T, H = 3, 24, 100
+    log_fgate = F.logsigmoid(torch.randn(B, T, H // 2, device=DEVICE) + torch.linspace(-9, 3, H // 2, device=DEVICE))
+    log_fgate = log_fgate.repeat_interleave(2, dim=2)  # five classes, 33-76 rows each
+    log_fgate[1, 5, 7] = float("nan")
+    bound = torch.rand(B, H, device=DEVICE)
+    bound[2, 11] = float("nan")
+    seq_start = torch.tensor([0, 9, 0], device=DEVICE, dtype=torch.int32)
+    c, _ = ta.triton_gate_cumsum(log_fgate, False, None, seq_start)
+    order = ta._row_order(c, bound, math.log(EPS), None, seq_start, T, T)
+    # The classes as `_row_work` defines them, in float64 where the kernel has fp32 past the division.
+    n_keys = (T - seq_start).double()[:, None]
+    threshold = (math.log(EPS) - 2 * bound.double() - n_keys.log()).nan_to_num(nan=-math.inf)
+    share = (2 * threshold / c[:, :, -1].clamp(max=-1e-30)).clamp(max=1.0)
+    work = share.float().log2().floor().nan_to_num(nan=0.0).flatten()
+    assert sorted(order.tolist()) == list(range(B * H))
+    assert torch.equal(order.long(), torch.argsort(work, descending=True, stable=True))
+
+
 def test_statistics_record_only_pruned_calls_inside_the_block():
     q, k, v = (torch.randn(1, 40, 2, 16, device=DEVICE) for _ in range(3))
     log_fgate = torch.full((1, 40, 2), -3.0, device=DEVICE)
