@@ -115,9 +115,9 @@ def _first_block(C_row, c_ref, delta, lo, hi, first_pos, BLOCK: gl.constexpr, QU
 
 
 @gluon.jit
-def _fwd_step(it, j0, wg: gl.constexpr, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, acc, m_i, l_i,
-              p_op, C_row, C_SEG_row, anchor, offs_m, qk_scale, MASK: gl.constexpr, s_layout: gl.constexpr,
-              o_layout: gl.constexpr, p_layout: gl.constexpr):
+def _fwd_step(it, j0, wg: gl.constexpr, q, k_smem, v_smem, kb_smem, k_ready, k_empty, v_ready, v_empty, turn, acc,
+              m_i, l_i, p_op, offs_m, qk_scale, MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+              p_layout: gl.constexpr):
     slot = it % 2
     start_n = (j0 + it) * 128
     zero_s = gl.zeros([WG_ROWS, 128], gl.float32, layout=s_layout)
@@ -135,11 +135,11 @@ def _fwd_step(it, j0, wg: gl.constexpr, q, k_smem, v_smem, k_ready, k_empty, v_r
     else:
         mbarrier.arrive(turn.index(1 - wg), count=1)
         s = warpgroup_mma_wait(0, deps=[s_tok])
+    # The block's log2-domain key biases against the anchor, which the producer put beside K (`_fwd_producer`).
+    key_bias = kb_smem.index(slot).load(gl.SliceLayout(0, s_layout))
     mbarrier.arrive(k_empty.index(slot), count=1)
-    # Log2-domain key biases against the anchor: fp32 within the segment plus one float64 shift per block.
+    s = s * qk_scale - key_bias[None, :]
     offs_n = start_n + gl.arange(0, 128, layout=gl.SliceLayout(0, s_layout))
-    shift = ((gl.load(C_row + start_n) - anchor) * 1.4426950408889634).to(gl.float32)
-    s = s * qk_scale - (gl.load(C_SEG_row + offs_n) + shift)[None, :]
     if MASK:
         s = gl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -153,12 +153,22 @@ def _fwd_step(it, j0, wg: gl.constexpr, q, k_smem, v_smem, k_ready, k_empty, v_r
 
 
 @gluon.jit
-def _fwd_producer(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, row0, col0, j0, n_iter):
+def _fwd_producer(k_desc, v_desc, k_smem, v_smem, kb_smem, k_ready, k_empty, v_ready, v_empty, C_row, C_SEG_row,
+                  anchor, row0, col0, j0, n_iter):
+    keys: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
     for it in range(n_iter):
         slot = it % 2
         phase = (it // 2) & 1
         start_n = (j0 + it) * 128
+        # Log2-domain key biases against the anchor: fp32 within the segment plus one float64 shift per block,
+        # computed here, off the consumers' path (there, the shift's global load and float64 subtraction after each
+        # product's wait took a fifth of a warpgroup's stall samples), and stored beside K before its barrier's
+        # arrival publishes both.
+        segment = gl.load(C_SEG_row + start_n + gl.arange(0, 128, layout=keys))
+        shift = ((gl.load(C_row + start_n) - anchor) * 1.4426950408889634).to(gl.float32)
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        kb_smem.index(slot).store(segment + shift)
+        gl.thread_barrier()
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [row0 + start_n, col0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
@@ -167,8 +177,8 @@ def _fwd_producer(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_e
 
 
 @gluon.jit
-def _fwd_consumer(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
-                  C_row, C_SEG_row, anchor, row0, col0, lse_row, start_m, j0, n_iter, stride_ot, qk_scale):
+def _fwd_consumer(wg: gl.constexpr, q_smem, k_smem, v_smem, kb_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                  O, LSE, C_row, anchor, row0, col0, lse_row, start_m, j0, n_iter, stride_ot, qk_scale):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
     o_layout: gl.constexpr = s_layout  # S (64 x 128 keys) and O (64 x head dim 128) share one layout
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -183,13 +193,13 @@ def _fwd_consumer(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
     mbarrier.wait(q_bar, 0)
     n_full = start_m // 128 - j0  # key blocks wholly before both warpgroups' queries: no mask
     for it in range(n_full):
-        acc, m_i, l_i, p_op = _fwd_step(it, j0, wg, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, acc,
-                                        m_i, l_i, p_op, C_row, C_SEG_row, anchor, offs_m, qk_scale, False, s_layout,
-                                        o_layout, p_layout)
+        acc, m_i, l_i, p_op = _fwd_step(it, j0, wg, q, k_smem, v_smem, kb_smem, k_ready, k_empty, v_ready, v_empty,
+                                        turn, acc, m_i, l_i, p_op, offs_m, qk_scale, False, s_layout, o_layout,
+                                        p_layout)
     for it in range(n_full, n_iter):
-        acc, m_i, l_i, p_op = _fwd_step(it, j0, wg, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, acc,
-                                        m_i, l_i, p_op, C_row, C_SEG_row, anchor, offs_m, qk_scale, True, s_layout,
-                                        o_layout, p_layout)
+        acc, m_i, l_i, p_op = _fwd_step(it, j0, wg, q, k_smem, v_smem, kb_smem, k_ready, k_empty, v_ready, v_empty,
+                                        turn, acc, m_i, l_i, p_op, offs_m, qk_scale, True, s_layout, o_layout,
+                                        p_layout)
     last = (n_iter - 1) % 2
     mbarrier.wait(turn.index(wg), (n_iter & 1) ^ (1 - wg))
     mbarrier.wait(v_ready.index(last), ((n_iter - 1) // 2) & 1)
@@ -223,6 +233,7 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, C, C_SEG, O, LSE, BOUND, ROW_ORDE
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, WG_ROWS, 128], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, 128, 128], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, 128, 128], v_desc.layout)
+    kb_smem = gl.allocate_shared_memory(gl.float32, [2, 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -254,12 +265,12 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, C, C_SEG, O, LSE, BOUND, ROW_ORDE
         gl.store(rows, gl.zeros_like(offs) + j0 * 128)
         gl.store(rows + 1, offs + 1)
     gl.warp_specialize([
-        (_fwd_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O, LSE, C_row,
-                         C_SEG_row, anchor, row0, col0, lse_row, start_m, j0, n_iter, stride_ot, qk_scale)),
-        (_fwd_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O, LSE, C_row,
-                         C_SEG_row, anchor, row0, col0, lse_row, start_m, j0, n_iter, stride_ot, qk_scale)),
-        (_fwd_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, row0, col0, j0,
-                         n_iter)),
+        (_fwd_consumer, (0, q_smem, k_smem, v_smem, kb_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
+                         C_row, anchor, row0, col0, lse_row, start_m, j0, n_iter, stride_ot, qk_scale)),
+        (_fwd_consumer, (1, q_smem, k_smem, v_smem, kb_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
+                         C_row, anchor, row0, col0, lse_row, start_m, j0, n_iter, stride_ot, qk_scale)),
+        (_fwd_producer, (k_desc, v_desc, k_smem, v_smem, kb_smem, k_ready, k_empty, v_ready, v_empty, C_row,
+                         C_SEG_row, anchor, row0, col0, j0, n_iter)),
     ], [4, 1], [240, 24])
 
 
@@ -283,24 +294,25 @@ def forward(q, k, v, c, key_bias, out, lse, sm_scale, bound, log_eps, prune, hea
 
 @gluon.jit
 def _kv_step(it, dk, dv, dc, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q_bar, do_bar, C_row, Q_BIAS_row,
-             DELTA_row, row0, col0, start_n, n_iter, anchor, k_bias, offs_n, qk_scale, MASK: gl.constexpr,
-             st_layout: gl.constexpr, op_layout: gl.constexpr, num_warps: gl.constexpr):
+             DELTA_row, row0, col0, start_n, n_iter, T, anchor, k_bias, offs_n, qk_scale, c_seg, q_bias, delta_in,
+             MASK: gl.constexpr, st_layout: gl.constexpr, op_layout: gl.constexpr, num_warps: gl.constexpr):
     vec_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     qs_l: gl.constexpr = gl.SliceLayout(0, st_layout)
     slot = it % 2
     phase = (it // 2) & 1
     start_m = start_n + it * 64
     zero_st = gl.zeros([128, 64], gl.float32, layout=st_layout)
+    # Query biases: fp32 (c_t - c_s) log2(e) - lse_t per query plus one float64 shift per block (s the segment
+    # start), loaded by the step before (`_kv_vectors`). The shift's float64 subtraction goes first, while no product
+    # is in flight: issued after them, it waited for them (as in the forward, `_fwd_producer`).
+    shift = ((c_seg - anchor) * 1.4426950408889634).to(gl.float32)
     mbarrier.wait(q_bar.index(slot), phase)
     st_tok = warpgroup_mma(k_smem, q_smem.index(slot).permute((1, 0)), zero_st, use_acc=False, is_async=True)
     mbarrier.wait(do_bar.index(slot), phase)
     dpt_tok = warpgroup_mma(v_smem, do_smem.index(slot).permute((1, 0)), zero_st, use_acc=False, is_async=True)
-    # Query biases: fp32 (c_t - c_s) log2(e) - lse_t per query plus one float64 shift per block (s the segment
-    # start); one load per thread, then into the score tile's column layout.
-    shift = ((gl.load(C_row + start_m // 128 * 128) - anchor) * 1.4426950408889634).to(gl.float32)
-    offs_v = start_m + gl.arange(0, 64, layout=vec_l)
-    q_row = gl.convert_layout(gl.load(Q_BIAS_row + offs_v), qs_l) + shift
-    delta = gl.convert_layout(gl.load(DELTA_row + offs_v), qs_l)
+    q_row = gl.convert_layout(q_bias, qs_l) + shift
+    delta = gl.convert_layout(delta_in, qs_l)
+    c_seg, q_bias, delta_in = _kv_vectors(C_row, Q_BIAS_row, DELTA_row, gl.minimum(start_m + 64, T - 64), vec_l)
     st = warpgroup_mma_wait(1, deps=[st_tok])
     st = st * qk_scale + q_row[None, :] - k_bias[:, None]
     if MASK:
@@ -322,7 +334,14 @@ def _kv_step(it, dk, dv, dc, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q
         mbarrier.expect(do_bar.index(slot), do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [row0 + start_m + 128, col0], do_bar.index(slot),
                                         do_smem.index(slot))
-    return dk, dv, dc
+    return dk, dv, dc, c_seg, q_bias, delta_in
+
+
+@gluon.jit
+def _kv_vectors(C_row, Q_BIAS_row, DELTA_row, start_m, layout: gl.constexpr):
+    """What `_kv_step` needs of the query block at start_m: c at its segment's start, its query biases and deltas."""
+    offs = start_m + gl.arange(0, 64, layout=layout)
+    return gl.load(C_row + start_m // 128 * 128), gl.load(Q_BIAS_row + offs), gl.load(DELTA_row + offs)
 
 
 @gluon.jit
@@ -384,15 +403,19 @@ def _hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, C, Q_BIAS, DELTA, DK, D
     dv = gl.zeros([128, 128], gl.float32, layout=kv_layout)
     dc = gl.zeros([128], gl.float32, layout=keys_l)
     mbarrier.wait(kv_bar, 0)
+    vec_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    c_seg, q_bias, delta = _kv_vectors(C_row, Q_BIAS + vec_row, DELTA + vec_row, start_n, vec_l)
     # The two query blocks that cross this key block's diagonal (never pruned: their bias bound is >= 0).
     for it in range(2):
-        dk, dv, dc = _kv_step(it, dk, dv, dc, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q_bar, do_bar, C_row,
-                              Q_BIAS + vec_row, DELTA + vec_row, row0, col0, start_n, n_iter, anchor,
-                              k_bias, offs_n, qk_scale, True, st_layout, op_layout, num_warps)
+        dk, dv, dc, c_seg, q_bias, delta = _kv_step(
+            it, dk, dv, dc, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q_bar, do_bar, C_row, Q_BIAS + vec_row,
+            DELTA + vec_row, row0, col0, start_n, n_iter, T, anchor, k_bias, offs_n, qk_scale, c_seg, q_bias, delta,
+            True, st_layout, op_layout, num_warps)
     for it in range(2, n_iter):
-        dk, dv, dc = _kv_step(it, dk, dv, dc, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q_bar, do_bar, C_row,
-                              Q_BIAS + vec_row, DELTA + vec_row, row0, col0, start_n, n_iter, anchor,
-                              k_bias, offs_n, qk_scale, False, st_layout, op_layout, num_warps)
+        dk, dv, dc, c_seg, q_bias, delta = _kv_step(
+            it, dk, dv, dc, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q_bar, do_bar, C_row, Q_BIAS + vec_row,
+            DELTA + vec_row, row0, col0, start_n, n_iter, T, anchor, k_bias, offs_n, qk_scale, c_seg, q_bias, delta,
+            False, st_layout, op_layout, num_warps)
     offs_kn = start_n + gl.arange(0, 128, layout=gl.SliceLayout(1, kv_layout))
     offs_d = gl.arange(0, 128, layout=gl.SliceLayout(0, kv_layout))
     rows = (row0 + offs_kn).to(gl.int64)[:, None]
