@@ -5,17 +5,19 @@ language), with FlashAttention-3's warp specialization.
 dQ pass is always Triton's); `FOXLM_GLUON=0` turns them off. The math is the Triton kernels': scores in the log2
 domain, key biases in two parts (fp32 within a 128-position segment plus one float64 shift per block), the same
 pruning rule, searches and pruned-fraction counts, the same order of programs (heaviest blocks first). On an H100 at
-B1 x 16 heads x 16k, D128 (`benchmarks/NOTES_attention.md`, sections of 2026-11-24): forward 2.25-2.39 ms against
-2.78-2.96 for the Triton forward, dK/dV 4.05-4.58 against 4.94-5.57 (kernel times, profiler); the ACP gate mix
-3.63-3.68 ms = 1.96-1.98x cuDNN (H100, H200). A Gluon dQ pass of the same design was slower than the Triton one (3.6
-against 2.9-3.2 ms) and is not used.
+B1 x 16 heads x 16k, D128 (`benchmarks/NOTES_attention.md`, sections of 2026-11-24): forward 1.79-1.92 ms against
+2.78-2.96 for the Triton forward (cuDNN's kernel: 1.74), dK/dV 3.90-4.17 against 4.94-5.57 (kernel times,
+profiler); the ACP gate mix 3.45-3.52 ms = 2.03-2.07x cuDNN (H100, H200). A Gluon dQ pass of an earlier design was
+slower than the Triton one (3.6 against 2.9-3.2 ms) and is not used.
 
 Forward: one program per 128 query rows; two consumer warpgroups (64 rows each, each its own partition) take turns
 on the tensor cores, one's softmax under the other's matrix products (the turn passes through two mbarriers), and a
-producer warp loads K and V through TMA into two-slot rings that both consumers release. Key blocks wholly before a
-warpgroup's queries run without the causal mask. dK/dV: one program per 128 keys on two warpgroups, K and V resident
-in shared memory, 64-query blocks of Q and dO through a two-slot TMA ring, S^T and dP^T issued together, P^T and
-dS^T fed from registers to the dV and dK products, the diagonal's query blocks apart from the rest.
+producer warp loads K and V through TMA into two-slot rings that both consumers release, and computes each key block's
+biases into shared memory beside K. Key blocks wholly before a warpgroup's queries run without the causal mask.
+dK/dV: one program per 128 keys on two warpgroups, K and V resident in shared memory, 64-query blocks of Q and dO
+through a two-slot TMA ring, S^T and dP^T issued together, P^T and dS^T fed from registers to the dV and dK products,
+the diagonal's query blocks apart from the rest. Neither issues float64 arithmetic while its products are in flight:
+there it waited for them (Nsight Compute, notes).
 
 Scope (`eligible`): bf16, head dim 128, as many K/V heads as query heads, equal-length unpadded sequences whose
 length is a multiple of 128 (queries and keys alike).
