@@ -372,6 +372,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, do, _dlse, _dcounts, _dc, _dkey_bias):
+    if do is None:  # `out` had no gradient (autograd passes None: grads are not materialized)
+        return (None,) * 13
     q, k, v, gate, out, lse, c, key_bias, cu_seqlens, seq_start, score_bound = ctx.saved_tensors
     gate_is_cumsum, sm_scale, max_seqlen, use_triton, prune_eps = ctx.args
     dq, dk, dv, dgate = torch.ops.foxlm.forgetting_attention_backward(
