@@ -304,8 +304,8 @@ def _kv_step(it, dk, dv, dc, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q
     phase = (it // 2) & 1
     start_m = start_n + it * 64
     zero_st = gl.zeros([128, 64], gl.float32, layout=st_layout)
-    # Query biases: fp32 (c_t - c_s) log2(e) - lse_t per query plus one float64 shift per block (s the segment
-    # start), loaded and shifted by the step before (`_kv_vectors`).
+    # Query biases: fp32 (c_t - c_s) log2(e) - lse_t per query plus one shift per block (s the segment start),
+    # loaded (`_kv_vectors`) and the shift computed by the step before, or the prologue for the first.
     mbarrier.wait(q_bar.index(slot), phase)
     st_tok = warpgroup_mma(k_smem, q_smem.index(slot).permute((1, 0)), zero_st, use_acc=False, is_async=True)
     mbarrier.wait(do_bar.index(slot), phase)
