@@ -992,14 +992,15 @@ def _common(q, k, c, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
         bound = q.new_empty((1,), dtype=torch.float32).expand(B, Hq)
     else:
         bound = score_bound.to(device=q.device, dtype=torch.float32).expand(B, Hq)
-    row_order = (_row_order(c, bound, math.log(prune_eps), cu_seqlens, seq_start, Tq, Tk) if ordered
+    log_eps = 0.0 if prune_eps is None else math.log(prune_eps)
+    row_order = (_row_order(c, bound, log_eps, cu_seqlens, seq_start, Tq, Tk) if ordered
                  else q.new_empty((1,), dtype=torch.int32))
     return dict(
         n_seqs=n_seqs, max_q=max_q, max_k=max_k, cu_seqlens=cu_seqlens, seq_start=seq_start,
         block_d=block_d, group=group, tune_seqlen=_tune_seqlen(max_k),
         dot_precision="ieee" if q.dtype == torch.float32 else "tf32",
         bound=bound, bound_strides=bound.stride(), row_order=row_order, ordered=ordered,
-        log_eps=0.0 if prune_eps is None else math.log(prune_eps), head_group=head_group,
+        log_eps=log_eps, head_group=head_group,
     )
 
 
