@@ -13,8 +13,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from .configuration_fox import FoxConfig
 from .kernels import forgetting_attention
+from .cache_fox import FoxCacheLayer
 from .modeling_fox import (
-    FoxCacheLayer,
     FoxForCausalLM,
     FoxForSequenceClassification,
     FoxModel,

@@ -14,6 +14,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REMOTE_CODE_MODULES = (
     "configuration_fox.py",
     "modeling_fox.py",
+    "cache_fox.py",
     "kernels/interface.py",
     "kernels/layer_ops.py",
     "kernels/acp.py",
