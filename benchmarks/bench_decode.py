@@ -29,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from foxlm import FoxConfig, FoxForCausalLM  # noqa: E402
+from foxlm.compat import CACHE_ARG  # noqa: E402
 from foxlm.kernels.decode import forgetting_decode  # noqa: E402
 from run_record import RESULTS_DIR, new_record, record_path, write_record  # noqa: E402
 
@@ -149,7 +150,7 @@ def bench_eviction(results, prompt=131072, same_tokens_prompt=16384, new_tokens=
         del ids
         gc.collect()
         torch.cuda.empty_cache()
-        cache = out.past_key_values
+        cache = getattr(out, CACHE_ARG)
         config = model.config
         row = dict(decode_kv_eviction=evict, prompt=prompt, fast_kv_heads=fast, kv_heads=config.num_key_value_heads,
                    layers=config.num_hidden_layers, cached_length=cache.get_seq_length(),

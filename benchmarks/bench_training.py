@@ -35,6 +35,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from foxlm import FoxConfig, FoxForCausalLM
+from foxlm.compat import enable_activation_checkpointing
 from foxlm.kernels.acp import DEFAULT_EPS, acp_statistics
 from run_record import RESULTS_DIR, new_record, record_path, write_record
 
@@ -83,7 +84,7 @@ def enable_checkpointing(model):
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, {"use_reentrant": False})
 
 
 def train_step(model, optimizer, batch):

@@ -87,15 +87,23 @@ class FoxCacheLayer(DynamicLayer):
         return chunk.float() if cumsum is None else torch.cat([cumsum, chunk.float()], dim=-1)
 
     def update_fox(self, key_states, value_states, log_fgate, raw_keys, raw_values, evict_delta=None,
-                   track_key_norm=False):
+                   track_key_norm=False, token_mask=None, seq_start=None):
         """Append a chunk of the sequence.
 
         key_states / value_states (B, kv_heads, T, D); log_fgate (B, heads, T) fp32; raw_keys / raw_values
         (B, T, kv_heads, D), the projections before the token shift, or None for a model without one;
         evict_delta (B, heads): ACP threshold valid for every future query (enables eviction), or None;
-        track_key_norm: keep `key_norm_max` (ACP without QK-norm). Read the result through `kv_groups()`.
+        track_key_norm: keep `key_norm_max` (ACP without QK-norm); token_mask (B, T) bool, False at the chunk's
+        masked tokens, which come first in each row, or None; seq_start (B,): masked tokens of each row, cached and
+        new. Rows are stored left-padded (masked tokens first): a chunk with masked tokens after earlier ones moves
+        them to the front. Read the result through `kv_groups()`.
         """
         empty = self.get_seq_length() == 0
+        if token_mask is not None and not empty and (self.head_keys is not None or self.record_past):
+            raise NotImplementedError(
+                "A FoX cache with KV eviction, or one that records its past for `crop` (assisted decoding), takes "
+                "masked tokens (0s in `attention_mask`) in the first chunk (the prompt) only."
+            )
         if empty:
             self.tokens_since_check = 0
         self.tokens_since_check += key_states.shape[-2]
@@ -108,6 +116,8 @@ class FoxCacheLayer(DynamicLayer):
         if self.head_keys is None:
             self.update(key_states, value_states)
             self.fgate_cumsum = self._append_cumsum(None if empty else self.fgate_cumsum, log_fgate, check)
+            if token_mask is not None and not empty:
+                self._move_masked_first(token_mask, seq_start)
         else:
             group = log_fgate.shape[1] // len(self.head_keys)
             for h in range(len(self.head_keys)):
@@ -130,6 +140,22 @@ class FoxCacheLayer(DynamicLayer):
                     "keys": torch.cat([self.raw_history["keys"], raw_keys], dim=1),
                     "values": torch.cat([self.raw_history["values"], raw_values], dim=1),
                 }
+
+    def _move_masked_first(self, token_mask, seq_start):
+        """Reorder every row so that its masked tokens come first again, the others keeping their order.
+
+        Before: [masked, real] of the earlier chunks, then [masked, real] of the new chunk of T tokens."""
+        S, T = self.keys.shape[-2], token_mask.shape[1]
+        positions = torch.arange(S - T, device=seq_start.device)
+        earlier_real = positions >= (seq_start - (~token_mask).sum(-1))[:, None]
+        order = torch.argsort(torch.cat([earlier_real, token_mask], dim=-1).to(torch.int8), dim=-1, stable=True)
+        take = lambda t: t.gather(-2, order[:, None, :, None].expand_as(t))  # noqa: E731
+        self.keys, self.values = take(self.keys), take(self.values)
+        c = self.fgate_cumsum.gather(-1, order[:, None, :].expand_as(self.fgate_cumsum))
+        # Masked positions carry no decay of their own; give them the row's first real value, so that c stays
+        # non-increasing along each row as the pruning searches assume.
+        first_real = c.gather(-1, seq_start.clamp(max=S - 1)[:, None, None].expand(-1, c.shape[1], 1))
+        self.fgate_cumsum = torch.where(torch.arange(S, device=c.device) < seq_start[:, None, None], first_real, c)
 
     def _evict(self, delta):
         """Drop, per KV head, the oldest keys with `c_newest - c_k < delta` for every sequence and query head of the

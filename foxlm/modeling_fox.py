@@ -26,6 +26,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .cache_fox import FoxCacheLayer
+from .compat import CACHE_ARG, accepts_legacy_cache_arg, cache_kwargs, check_forward_kwargs
 from .configuration_fox import FoxConfig
 from .kernels.decode import MAX_DECODE_QUERIES, acp_threshold, forgetting_decode
 from .kernels.interface import forgetting_attention, packed_sequence_lengths
@@ -122,15 +123,22 @@ class FoxShiftProj(nn.Linear):
 class FoxAttentionLayout:
     """How tokens relate to each other in one forward, computed once per model forward and shared by all layers.
 
+    Masked tokens (0 in a 2-D `attention_mask`, anywhere) contribute neither attention nor decay. The attention
+    handles them by working on each row's tokens in an order where the chunk's masked tokens come first (`order`),
+    which makes every row left-padded: the cache stores rows that way, and `seq_start` hides the masked keys.
+
     Attributes:
-        seq_start: (B,) left padding: number of pad positions before each sequence's first real key.
-        token_mask: (B, T) bool, False at padded positions of the current tokens.
+        seq_start: (B,) number of masked keys in each row: the cache's and the current chunk's, stored first.
+        token_mask: (B, T) bool, False at the chunk's masked tokens, in working order (so a run of False, then True).
+        order: (B, T) int64, the chunk's working order (a stable sort putting masked tokens first), or None when the
+            chunk already has it (no mask, or left padding).
         cu_seqlens: (N + 1,) int32 boundaries of packed documents over the flattened (B * T) tokens.
         doc_start: (B, T) bool, True where a packed document begins (the token shift restarts there).
     """
 
     seq_start: torch.Tensor | None = None
     token_mask: torch.Tensor | None = None
+    order: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int | None = None
     doc_start: torch.Tensor | None = None
@@ -183,10 +191,16 @@ class FoxAttention(nn.Module):
 
     def _token_shift(self, shift_proj, raw, name, hidden_states, cache_layer, layout):
         """`alpha_t * raw_{t-1} + (1 - alpha_t) * raw_t` with `alpha = sigmoid(shift_proj(x))`; the token before the
-        chunk is the cache's shift state (zeros without a cache), and packed documents start from zero."""
+        chunk is the cache's shift state (zeros without a cache), and packed documents start from zero.
+
+        Returns (shifted, raw): masked tokens take the previous token's raw value, so that the first real token of a
+        row shifts in the token before the chunk, and the last raw value is the next chunk's shift state."""
         previous = cache_layer.shift_state(name, raw) if cache_layer is not None else torch.zeros_like(raw[:, :1])
-        return token_shift(raw, shift_proj(hidden_states), previous, layout.doc_start,
-                           backend=self.config.attention_backend)
+        if layout.token_mask is not None:
+            raw = torch.where(layout.token_mask[:, :, None, None], raw, previous)
+        shifted = token_shift(raw, shift_proj(hidden_states), previous, layout.doc_start,
+                              backend=self.config.attention_backend)
+        return shifted, raw
 
     def _acp_bound(self, q, cache_layer):
         """U >= |sm_scale q.k| per (batch, query head) (fox-reference.md §5): from the QK-norm scales (then valid for
@@ -216,7 +230,8 @@ class FoxAttention(nn.Module):
             horizon = max(self.config.max_position_embeddings, past + T)
             evict_delta = acp_threshold(self._acp_bound(q, cache_layer), horizon, eps)
         cache_layer.update_fox(k.transpose(1, 2), v.transpose(1, 2), log_fgate.transpose(1, 2), raw_k, raw_v,
-                               evict_delta=evict_delta, track_key_norm=eps is not None and not self.config.qk_norm)
+                               evict_delta=evict_delta, track_key_norm=eps is not None and not self.config.qk_norm,
+                               token_mask=layout.token_mask, seq_start=layout.seq_start)
         kwargs = dict(sm_scale=self.scaling, backend=self.config.attention_backend)
         if past == 0:
             # A whole prompt: the kernel sums log f itself in float64, exact however long the prompt.
@@ -255,36 +270,42 @@ class FoxAttention(nn.Module):
         hidden_states: torch.Tensor,
         layout: FoxAttentionLayout,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Cache | None = None,
-        **kwargs,
+        cache: Cache | None = None,
     ) -> tuple[torch.Tensor, None]:
         B, T, _ = hidden_states.shape
+        if layout.order is not None:
+            hidden_states = _take_tokens(hidden_states, layout.order)
+            if position_embeddings is not None:
+                position_embeddings = tuple(_take_tokens(t.expand(B, -1, -1), layout.order)
+                                            for t in position_embeddings)
         q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
         log_fgate = self.log_fgate(hidden_states)
         if layout.token_mask is not None:
-            # Padded positions must not reach real tokens through the token shift or the gate's running sum.
-            keep = layout.token_mask[:, :, None]
-            k, v, log_fgate = k * keep[..., None], v * keep[..., None], log_fgate * keep
+            # A masked token adds no decay to the gate's running sum.
+            log_fgate = log_fgate * layout.token_mask[:, :, None]
 
         cache_layer = None
-        if past_key_values is not None:
-            if self.layer_idx >= len(past_key_values.layers) or not isinstance(
-                past_key_values.layers[self.layer_idx], FoxCacheLayer
-            ):
+        if cache is not None:
+            if self.layer_idx >= len(cache.layers) or not isinstance(cache.layers[self.layer_idx], FoxCacheLayer):
                 raise TypeError(
                     "FoX needs FoxCacheLayer cache layers: pass `DynamicCache(config=model.config)` (what generate() "
-                    f"builds), not {type(past_key_values).__name__} without the model config."
+                    f"builds), not {type(cache).__name__} without the model config."
                 )
-            cache_layer = past_key_values.layers[self.layer_idx]
+            cache_layer = cache.layers[self.layer_idx]
 
-        has_shift = self.k_shift_proj is not None or self.v_shift_proj is not None
-        raw_k, raw_v = (k, v) if has_shift else (None, None)
+        raw_k = raw_v = None
         if self.k_shift_proj is not None:
-            k = self._token_shift(self.k_shift_proj, raw_k, "keys", hidden_states, cache_layer, layout)
+            k, raw_k = self._token_shift(self.k_shift_proj, k, "keys", hidden_states, cache_layer, layout)
         if self.v_shift_proj is not None:
-            v = self._token_shift(self.v_shift_proj, raw_v, "values", hidden_states, cache_layer, layout)
+            v, raw_v = self._token_shift(self.v_shift_proj, v, "values", hidden_states, cache_layer, layout)
+        if (raw_k is None) != (raw_v is None):  # the cache keeps both shift states or none
+            raw_k, raw_v = (k if raw_k is None else raw_k), (v if raw_v is None else raw_v)
+        if layout.token_mask is not None:
+            # Masked keys are never read (seq_start hides them); zeros keep them out of the cache's key-norm bound.
+            keep = layout.token_mask[:, :, None, None]
+            k, v = k * keep, v * keep
 
         backend = self.config.attention_backend
         if self.config.qk_norm:
@@ -316,7 +337,17 @@ class FoxAttention(nn.Module):
         out = out.reshape(B, T, self.num_heads * self.head_dim)
         if self.training and self.attention_dropout:
             out = F.dropout(out, p=self.attention_dropout)
-        return self.o_proj(out), None
+        out = self.o_proj(out)
+        if layout.token_mask is not None:
+            out = out * layout.token_mask[:, :, None]  # masked tokens attend to nothing
+        if layout.order is not None:
+            out = torch.empty_like(out).scatter_(1, layout.order[:, :, None].expand_as(out), out)
+        return out, None
+
+
+def _take_tokens(x, order):
+    """x (B, T, ...) with each row's tokens in `order` (B, T)."""
+    return x.gather(1, order.view(*order.shape, *[1] * (x.dim() - 2)).expand_as(x))
 
 
 class FoxDecoderLayer(GradientCheckpointingLayer):
@@ -328,22 +359,19 @@ class FoxDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = FoxRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = FoxRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    @accepts_legacy_cache_arg
     def forward(
         self,
         hidden_states: torch.Tensor,
         layout: FoxAttentionLayout,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(
-            hidden_states,
-            layout=layout,
-            position_embeddings=position_embeddings,
-            past_key_values=past_key_values,
-            **kwargs,
+            hidden_states, layout=layout, position_embeddings=position_embeddings, cache=cache
         )
         hidden_states = residual + hidden_states
         residual = hidden_states
@@ -357,7 +385,7 @@ class FoxPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["FoxDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_ARG]
     _supports_sdpa = False
     _supports_flash_attn = False
     _supports_flex_attn = False
@@ -403,6 +431,7 @@ class FoxModel(FoxPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @accepts_legacy_cache_arg
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -410,18 +439,19 @@ class FoxModel(FoxPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
+        check_forward_kwargs(type(self).__name__, kwargs)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past_length = cache.get_seq_length() if cache is not None else 0
         # Only position ids from the caller can mark packed documents; skipping the check otherwise keeps the
         # plain forward free of host syncs (and of graph breaks under torch.compile).
         layout = attention_layout(attention_mask, position_ids, past_length, inputs_embeds.shape[:2], kwargs)
@@ -436,39 +466,43 @@ class FoxModel(FoxPreTrainedModel):
                 hidden_states,
                 layout=layout,
                 position_embeddings=position_embeddings,
-                past_key_values=past_key_values,
+                **cache_kwargs(cache),  # the installed name, which gradient checkpointing looks for
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwargs(cache))
 
 
 def attention_layout(attention_mask, position_ids, past_length, batch_and_length, kwargs):
-    """Read padding and packing off the inputs once per forward (see `FoxAttentionLayout`).
+    """Read masking and packing off the inputs once per forward (see `FoxAttentionLayout`).
 
-    - A 2-D `attention_mask` (B, past + T) of 1s and 0s may pad on the left and on the right, never in between.
+    - A 2-D `attention_mask` (B, past + T) of 1s and 0s, with 0s anywhere (left or right padding, or holes): the
+      masked tokens are removed from each sequence, exactly. Only the mask's shape is checked per decode step.
     - Packed documents (padding-free batches, as `DataCollatorWithFlattening` makes them) are recognised from
       `cu_seq_lens_q` or from `position_ids` restarting at 0, when there is no mask and no cache.
     """
     B, T = batch_and_length
     if attention_mask is not None:
-        if attention_mask.dim() != 2:
+        if attention_mask.dim() != 2 or attention_mask.shape != (B, past_length + T):
             raise ValueError(
-                f"FoX takes a 2-D padding mask (batch, seqlen) of 1s and 0s, got shape {tuple(attention_mask.shape)}."
+                "FoX takes a 2-D `attention_mask` of 1s and 0s of shape (batch, past + new tokens) = "
+                f"{(B, past_length + T)}, got shape {tuple(attention_mask.shape)}."
             )
         mask = attention_mask.bool()
-        seq_start = (mask.cumsum(-1) == 0).sum(-1)
-        if past_length > 0 and T == 1:
-            # A decode step: the mask was checked with the prompt; no host sync per generated token.
-            return FoxAttentionLayout(seq_start=seq_start)
-        runs_of_ones = mask[:, 0].long() + (mask[:, 1:] & ~mask[:, :-1]).sum(-1)
-        if bool((runs_of_ones > 1).any()):
-            raise ValueError(
-                "`attention_mask` has padding between real tokens; FoX supports left or right padding only."
-            )
-        if bool(mask.all()):
+        chunk = mask[:, -T:]
+        # One host sync: whether anything is masked, in the chunk, and whether the chunk's masked tokens already
+        # come first in every row (left padding).
+        all_real, chunk_all_real, chunk_left_padded = torch.stack(
+            [mask.all(), chunk.all(), (chunk[:, 1:] >= chunk[:, :-1]).all()]
+        ).tolist()
+        if all_real:
             return FoxAttentionLayout()
-        return FoxAttentionLayout(seq_start=seq_start, token_mask=mask[:, -T:])
+        seq_start = (~mask).sum(-1)
+        if chunk_all_real:
+            return FoxAttentionLayout(seq_start=seq_start)
+        order = None if chunk_left_padded else torch.argsort(chunk.to(torch.int8), dim=-1, stable=True)
+        token_mask = chunk if order is None else chunk.gather(1, order)
+        return FoxAttentionLayout(seq_start=seq_start, token_mask=token_mask, order=order)
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if past_length > 0 or (cu_seqlens is None and position_ids is None):
         return FoxAttentionLayout()
@@ -502,13 +536,21 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    def _prepare_static_cache(self, *args, **kwargs):
+        # What generate() calls for cache_implementation="static" (and its compiled variants).
+        raise ValueError(
+            "FoX has no static cache yet: its cache layer keeps the forget gate's running sum, which transformers' "
+            "StaticCache does not hold. Use the default dynamic cache (leave `cache_implementation` unset)."
+        )
+
+    @accepts_legacy_cache_arg
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -523,11 +565,12 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
             Compute logits only for the last `logits_to_keep` positions (an int; 0 keeps all) or for the given
             sequence indices (a 1-D tensor).
         """
+        check_forward_kwargs(type(self).__name__, kwargs)
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -542,7 +585,7 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **cache_kwargs(getattr(outputs, CACHE_ARG)),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

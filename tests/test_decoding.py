@@ -10,6 +10,7 @@ from huggingface_hub.errors import StrictDataclassClassValidationError
 from transformers import DynamicCache
 
 from foxlm import FoxCacheLayer
+from foxlm.compat import CACHE_ARG
 from foxlm.kernels.decode import forgetting_decode
 
 
@@ -31,10 +32,10 @@ def test_incremental_decoding_through_the_triton_kernel_equals_full_forward(make
     model = make_model(attention_backend="triton")  # the Triton interpreter on CPU
     ids = torch.randint(3, 97, (2, 14))
     cache = DynamicCache(config=model.config)
-    pieces = [model(ids[:, :9], past_key_values=cache, use_cache=True).logits]
-    pieces.append(model(ids[:, 9:12], past_key_values=cache, use_cache=True).logits)  # several new tokens
+    pieces = [model(ids[:, :9], cache=cache, use_cache=True).logits]
+    pieces.append(model(ids[:, 9:12], cache=cache, use_cache=True).logits)  # several new tokens
     for t in (12, 13):
-        pieces.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+        pieces.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits)
     full = make_model(attention_backend="reference")(ids).logits
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)
 
@@ -69,10 +70,10 @@ def test_acp_at_decode_time_keeps_greedy_generation(make_model):
     ids = torch.randint(3, 97, (2, 30))
     assert torch.equal(greedy(pruned, ids, 12), greedy(model, ids, 12))
     cache = DynamicCache(config=pruned.config)
-    pruned(ids, past_key_values=cache, use_cache=True)
+    pruned(ids, cache=cache, use_cache=True)
     step = torch.randint(3, 97, (2, 1))
     expected = model(torch.cat([ids, step], dim=1)).logits[:, -1:]
-    torch.testing.assert_close(pruned(step, past_key_values=cache, use_cache=True).logits, expected,
+    torch.testing.assert_close(pruned(step, cache=cache, use_cache=True).logits, expected,
                                rtol=1e-4, atol=1e-4)
 
 
@@ -88,7 +89,7 @@ def test_eviction_keeps_greedy_tokens_and_bounds_fast_heads(make_model, monkeypa
         ids[b, 40 - len(p) :], mask[b, 40 - len(p) :] = p, 1
     out = greedy(evicting, ids, 120, attention_mask=mask, return_dict_in_generate=True)
     assert torch.equal(out.sequences, greedy(model, ids, 120, attention_mask=mask))
-    for layer in out.past_key_values.layers:
+    for layer in getattr(out, CACHE_ARG).layers:
         fast, slow = (keys.shape[-2] for keys in layer.head_keys)
         # 40 prompt + 119 fed-back tokens; the fast head keeps its ~12-token window plus the check interval.
         assert layer.get_seq_length() == slow == 159 and fast <= 30

@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from foxlm import FoxCacheLayer
+from foxlm.compat import CACHE_ARG
 
 
 def greedy_without_cache(model, ids, steps):
@@ -18,8 +19,8 @@ def test_generate_builds_fox_cache_layers(make_model):
     model = make_model()
     out = model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=3, do_sample=False,
                          return_dict_in_generate=True)
-    assert all(isinstance(layer, FoxCacheLayer) for layer in out.past_key_values.layers)
-    assert out.past_key_values.get_seq_length() == 7
+    assert all(isinstance(layer, FoxCacheLayer) for layer in getattr(out, CACHE_ARG).layers)
+    assert getattr(out, CACHE_ARG).get_seq_length() == 7
 
 
 @pytest.mark.parametrize("chunks", [[1] * 12, [5, 1, 4, 2], [12]])
@@ -30,7 +31,7 @@ def test_incremental_forward_equals_full_forward(make_model, chunks):
     cache = DynamicCache(config=model.config)
     pieces, start = [], 0
     for n in chunks:
-        pieces.append(model(ids[:, start : start + n], past_key_values=cache, use_cache=True).logits)
+        pieces.append(model(ids[:, start : start + n], cache=cache, use_cache=True).logits)
         start += n
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
 
@@ -91,19 +92,19 @@ def test_crop_rolls_back_every_piece_of_state(make_model):
     model = make_model()
     ids = torch.randint(3, 97, (1, 14))
     cache = DynamicCache(config=model.config)
-    model(ids[:, :6], past_key_values=cache, use_cache=True)
+    model(ids[:, :6], cache=cache, use_cache=True)
     cache.activate_past_recording()
-    model(ids[:, 6:11], past_key_values=cache, use_cache=True)
+    model(ids[:, 6:11], cache=cache, use_cache=True)
     cache.crop(-3)
     assert cache.get_seq_length() == 8
-    logits = model(ids[:, 8:], past_key_values=cache, use_cache=True).logits
+    logits = model(ids[:, 8:], cache=cache, use_cache=True).logits
     torch.testing.assert_close(logits, model(ids).logits[:, 8:], rtol=1e-5, atol=1e-5)
 
 
 def test_crop_without_recording_the_shift_state_is_refused(make_model):
     model = make_model()
     cache = DynamicCache(config=model.config)
-    model(torch.randint(3, 97, (1, 6)), past_key_values=cache, use_cache=True)
+    model(torch.randint(3, 97, (1, 6)), cache=cache, use_cache=True)
     with pytest.raises(RuntimeError, match="activate_past_recording"):
         cache.crop(-2)
 
@@ -112,18 +113,18 @@ def test_reorder_and_batch_select_carry_the_gate_and_shift_state(make_model):
     model = make_model()
     ids = torch.randint(3, 97, (3, 9))
     cache = DynamicCache(config=model.config)
-    model(ids[:, :6], past_key_values=cache, use_cache=True)
+    model(ids[:, :6], cache=cache, use_cache=True)
     order = torch.tensor([2, 0, 1])
     cache.reorder_cache(order)
-    logits = model(ids[order, 6:], past_key_values=cache, use_cache=True).logits
+    logits = model(ids[order, 6:], cache=cache, use_cache=True).logits
     torch.testing.assert_close(logits, model(ids[order]).logits[:, 6:], rtol=1e-5, atol=1e-5)
     cache.batch_select_indices(torch.tensor([1]))
     cache.batch_repeat_interleave(2)
-    logits = model(ids[[0, 0], 9:].new_tensor([[5], [7]]), past_key_values=cache, use_cache=True).logits
+    logits = model(ids[[0, 0], 9:].new_tensor([[5], [7]]), cache=cache, use_cache=True).logits
     expected = model(torch.cat([ids[[0, 0]], torch.tensor([[5], [7]])], dim=1)).logits[:, -1:]
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_cache_without_fox_layers_is_refused_clearly(make_model):
     with pytest.raises(TypeError, match="FoxCacheLayer"):
-        make_model()(torch.randint(3, 97, (1, 4)), past_key_values=DynamicCache(), use_cache=True)
+        make_model()(torch.randint(3, 97, (1, 4)), cache=DynamicCache(), use_cache=True)

@@ -64,7 +64,7 @@ def test_padding_packing_and_cache_on_the_gpu_kernel():
             start += len(s)
         full = model(seqs[0][None]).logits
         cache = DynamicCache(config=model.config)
-        pieces = [model(seqs[0][None, a:b], past_key_values=cache, use_cache=True).logits
+        pieces = [model(seqs[0][None, a:b], cache=cache, use_cache=True).logits
                   for a, b in ((0, 200), (200, 201), (201, 300))]
         assert relative_error(torch.cat(pieces, dim=1), full) < 1e-3
 
