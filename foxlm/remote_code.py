@@ -15,6 +15,7 @@ REMOTE_CODE_MODULES = (
     "configuration_fox.py",
     "modeling_fox.py",
     "cache_fox.py",
+    "compat.py",
     "kernels/interface.py",
     "kernels/layer_ops.py",
     "kernels/acp.py",
