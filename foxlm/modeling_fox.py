@@ -479,9 +479,15 @@ def attention_layout(attention_mask, position_ids, past_length, batch_and_length
     - A 2-D `attention_mask` (B, past + T) of 1s and 0s, with 0s anywhere (left or right padding, or holes): the
       masked tokens are removed from each sequence, exactly. Only the mask's shape is checked per decode step.
     - Packed documents (padding-free batches, as `DataCollatorWithFlattening` makes them) are recognised from
-      `cu_seq_lens_q` or from `position_ids` restarting at 0, when there is no mask and no cache.
+      `cu_seq_lens_q` (with or without a mask of 1s), or from `position_ids` restarting at 0 when there is no mask,
+      and never with a cache.
     """
     B, T = batch_and_length
+    cu_seqlens, cu_seqlens_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_seqlens is None:
+        cu_seqlens = cu_seqlens_k
+    elif cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens and not torch.equal(cu_seqlens_k, cu_seqlens):
+        raise ValueError("`cu_seq_lens_k` must equal `cu_seq_lens_q`: FoX attention is causal self-attention.")
     if attention_mask is not None:
         if attention_mask.dim() != 2 or attention_mask.shape != (B, past_length + T):
             raise ValueError(
@@ -495,15 +501,12 @@ def attention_layout(attention_mask, position_ids, past_length, batch_and_length
         all_real, chunk_all_real, chunk_left_padded = torch.stack(
             [mask.all(), chunk.all(), (chunk[:, 1:] >= chunk[:, :-1]).all()]
         ).tolist()
-        if all_real:
+        if not all_real:
+            if cu_seqlens is not None:
+                raise ValueError("Give packed documents (`cu_seq_lens_q`) or an `attention_mask` with 0s, not both.")
+            return _masked_layout(mask, chunk, chunk_all_real, chunk_left_padded)
+        if cu_seqlens is None:  # a mask of 1s only: position ids restarting at 0 then pack nothing, as in LLaMA
             return FoxAttentionLayout()
-        seq_start = (~mask).sum(-1)
-        if chunk_all_real:
-            return FoxAttentionLayout(seq_start=seq_start)
-        order = None if chunk_left_padded else torch.argsort(chunk.to(torch.int8), dim=-1, stable=True)
-        token_mask = chunk if order is None else chunk.gather(1, order)
-        return FoxAttentionLayout(seq_start=seq_start, token_mask=token_mask, order=order)
-    cu_seqlens = kwargs.get("cu_seq_lens_q")
     if past_length > 0 or (cu_seqlens is None and position_ids is None):
         return FoxAttentionLayout()
     if cu_seqlens is not None:
@@ -522,6 +525,16 @@ def attention_layout(attention_mask, position_ids, past_length, batch_and_length
         lengths = packed_sequence_lengths(cu_seqlens, B * T)
     # `packed_sequence_lengths` syncs once per forward; the layers' attention calls then find the boundaries checked.
     return FoxAttentionLayout(cu_seqlens=cu_seqlens, max_seqlen=max(lengths), doc_start=doc_start)
+
+
+def _masked_layout(mask, chunk, chunk_all_real, chunk_left_padded):
+    """The layout of a mask with 0s: (B, past + T) and its last T columns, `chunk`."""
+    seq_start = (~mask).sum(-1)
+    if chunk_all_real:
+        return FoxAttentionLayout(seq_start=seq_start)
+    order = None if chunk_left_padded else torch.argsort(chunk.to(torch.int8), dim=-1, stable=True)
+    token_mask = chunk if order is None else chunk.gather(1, order)
+    return FoxAttentionLayout(seq_start=seq_start, token_mask=token_mask, order=order)
 
 
 class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):

@@ -114,3 +114,16 @@ def test_model_classes_declare_what_transformers_may_not_assume():
     assert not FoxModel._supports_sdpa and not FoxModel._supports_flash_attn and not FoxModel._supports_flex_attn
     assert not FoxModel._can_compile_fullgraph  # no static cache, so no compiled decoding yet
     assert "attentions" not in (FoxModel._can_record_outputs or {})
+
+
+def test_packed_boundaries_must_agree_and_not_come_with_a_mask_of_zeros(make_model):
+    model = make_model()
+    ids = torch.randint(3, 97, (1, 6))
+    bounds = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seq_lens_k"):
+        model(ids, cu_seq_lens_q=bounds, cu_seq_lens_k=torch.tensor([0, 3, 6], dtype=torch.int32))
+    with pytest.raises(ValueError, match="not both"):
+        model(ids, cu_seq_lens_q=bounds, attention_mask=torch.tensor([[1, 1, 1, 1, 1, 0]]))
+    packed = model(ids, cu_seq_lens_q=bounds).logits
+    torch.testing.assert_close(model(ids, cu_seq_lens_q=bounds, attention_mask=torch.ones_like(ids)).logits, packed)
+    torch.testing.assert_close(packed[:, :2], model(ids[:, :2]).logits)
