@@ -134,3 +134,24 @@ def test_masked_tokens_after_the_prompt_are_refused_by_an_evicting_cache(make_mo
 def test_a_mask_of_the_wrong_shape_is_refused(make_model):
     with pytest.raises(ValueError, match=r"attention_mask.*\(1, 5\)"):
         make_model()(torch.ones(1, 5, dtype=torch.long), attention_mask=torch.ones(1, 4, dtype=torch.long))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_masked_tokens_are_removed_on_the_gpu_in_prefill_and_decode(make_model):
+    """The Triton prefill and decode kernels on a GPU (fp32, TF32 products), against the float64 CPU model."""
+    model = make_model(head_dim=16).cuda()
+    ids, mask = masked_batch()
+    more_ids = torch.randint(3, 97, (ids.shape[0], 4))
+    more_mask = torch.ones_like(more_ids)
+    more_mask[0, 1] = more_mask[2, :2] = 0
+    all_ids, all_mask = torch.cat([ids, more_ids], 1), torch.cat([mask, more_mask], 1)
+    cache = DynamicCache(config=model.config)
+    T = ids.shape[1]
+    chunks = [(0, T), (T, T + 2), (T + 2, T + 3), (T + 3, T + 4)]
+    logits = torch.cat([
+        model(all_ids[:, a:b].cuda(), attention_mask=all_mask[:, :b].cuda(), cache=cache, use_cache=True).logits
+        for a, b in chunks
+    ], dim=1).cpu()
+    assert_logits_of_sequences_without_masked_tokens(logits, all_ids, all_mask,
+                                                     float64_twin(make_model, head_dim=16), atol=5e-3)
