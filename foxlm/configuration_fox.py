@@ -60,7 +60,8 @@ class FoxConfig(PreTrainedConfig):
             `"auto"` runs the Triton kernel on CUDA and the PyTorch reference elsewhere; `"triton"` or `"reference"`
             force one.
         layer_types (`list[str]`, *optional*):
-            One `"fox_attention"` per layer; it makes `generate()` build FoX cache layers.
+            Not a stored field: always one `"fox_attention"` per layer (see the `layer_types` property). Accepted,
+            and checked, for config.json files that still carry it.
 
     Presets for the paper's two variants: `FoxConfig.fox_llama(...)` and `FoxConfig.fox_pro(...)`.
 
@@ -124,15 +125,12 @@ class FoxConfig(PreTrainedConfig):
     acp_eps: int | float | str | None = "auto"
     decode_kv_eviction: bool = False
     attention_backend: str = "auto"
-    layer_types: list[str] | None = None
 
     def __post_init__(self, **kwargs):
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if self.layer_types is None:
-            self.layer_types = ["fox_attention"] * self.num_hidden_layers
         if self.acp_eps == "auto":
             self.acp_eps = math.exp(-10) if self.qk_norm else None
         super().__post_init__(**kwargs)
@@ -185,16 +183,33 @@ class FoxConfig(PreTrainedConfig):
         if self.hidden_act not in ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu"):
             raise ValueError(f"`hidden_act` {self.hidden_act!r} is not a supported gated-MLP activation.")
 
-    def validate_layer_type(self):
-        """Part of `@strict` validation: every layer is a FoX attention layer."""
-        if self.layer_types is None:
+    @property
+    def layer_types(self):
+        """One `"fox_attention"` per layer: derived from `num_hidden_layers`, never written to config.json.
+
+        transformers builds one cache layer per entry (`DynamicCache(config=...)`, which `generate()` calls), and
+        `FoxCacheLayer` is registered under `"fox_attention"`, so every layer gets FoX's cache. It is a property
+        rather than a field (as in transformers' Mamba configs) because `PreTrainedConfig` rejects layer types it
+        does not know, and a FoX folder's config.json is also read through that base class: by `Trainer` when it
+        resumes from a checkpoint (`PreTrainedConfig.from_json_file`), and by `AutoTokenizer` where foxlm is not
+        imported (`PreTrainedConfig.from_pretrained`). FoX has no other kind of layer, so nothing is lost.
+        """
+        return ["fox_attention"] * self.num_hidden_layers
+
+    @layer_types.setter
+    def layer_types(self, value):
+        # Folders saved before `layer_types` was derived carry it in config.json, and `from_pretrained` passes it on
+        # through `setattr`: check it and keep nothing, since the property gives the same list.
+        if value is None:
             return
-        if any(layer_type != "fox_attention" for layer_type in self.layer_types):
-            raise ValueError(f"`layer_types` entries must all be 'fox_attention', got {self.layer_types}.")
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"`layer_types` has {len(self.layer_types)} entries for {self.num_hidden_layers} layers."
-            )
+        if any(layer_type != "fox_attention" for layer_type in value):
+            raise ValueError(f"`layer_types` entries must all be 'fox_attention', got {value}.")
+        if len(value) != self.num_hidden_layers:
+            raise ValueError(f"`layer_types` has {len(value)} entries for {self.num_hidden_layers} layers.")
+
+    def validate_layer_type(self):
+        """Part of `@strict` validation, in place of `PreTrainedConfig`'s check, which rejects `"fox_attention"` (not
+        one of transformers' layer types); the derived `layer_types` is right by construction."""
 
 
 __all__ = ["FoxConfig"]

@@ -23,7 +23,11 @@ FOX_MODULES = ["fgate_proj", "fgate_bias", "k_shift_proj", "v_shift_proj", "q_no
 
 def fox_lora_config(model, r=16, lora_alpha=32, lora_dropout=0.0, **kwargs):
     """`LoraConfig` for a FoX model: LoRA on the attention and MLP projections, forget gates (and any other FoX
-    modules the model has) fully trainable and saved with the adapter."""
+    modules the model has) fully trainable and saved with the adapter.
+
+    `get_peft_model` draws the LoRA A matrices from torch's global RNG: seed it just before (`transformers.set_seed`)
+    for repeatable runs, since `TrainingArguments(seed=...)` only takes effect when the `Trainer` is built, after.
+    A resumed run needs no seed: it reads the adapter back from the checkpoint."""
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     return LoraConfig(
         task_type="CAUSAL_LM",

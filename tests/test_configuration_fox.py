@@ -1,7 +1,10 @@
+import json
+
 import pytest
 from huggingface_hub.errors import StrictDataclassClassValidationError
+from transformers import AutoConfig, DynamicCache, PreTrainedConfig
 
-from foxlm import FoxConfig
+from foxlm import FoxCacheLayer, FoxConfig
 
 
 def test_defaults_are_fox_llama_without_rope():
@@ -31,6 +34,41 @@ def test_save_and_load_round_trip(tmp_path):
     config.save_pretrained(tmp_path)
     loaded = FoxConfig.from_pretrained(tmp_path)
     assert loaded.to_dict() == config.to_dict()
+
+
+def test_config_json_leaves_out_the_derived_layer_types(tmp_path):
+    config = FoxConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=3)
+    assert config.layer_types == ["fox_attention"] * 3
+    assert "layer_types" not in config.to_json_string() and "layer_types" not in config.to_json_string(use_diff=False)
+    config.save_pretrained(tmp_path)
+    assert "layer_types" not in json.loads((tmp_path / "config.json").read_text())
+
+
+def test_the_base_config_class_reads_a_saved_fox_config(tmp_path):
+    # Trainer reads a checkpoint's config.json through the base class when it resumes; AutoTokenizer does so where
+    # foxlm is not imported.
+    FoxConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=3).save_pretrained(tmp_path)
+    read_back = PreTrainedConfig.from_json_file(tmp_path / "config.json"), PreTrainedConfig.from_pretrained(tmp_path)
+    for config in read_back:
+        assert type(config) is PreTrainedConfig and config.num_hidden_layers == 3
+
+
+def test_dynamic_cache_of_a_reloaded_config_has_a_fox_layer_per_layer(tmp_path):
+    FoxConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=3).save_pretrained(tmp_path)
+    for config in (FoxConfig.from_pretrained(tmp_path), AutoConfig.from_pretrained(tmp_path)):
+        layers = DynamicCache(config=config).layers
+        assert len(layers) == 3 and all(type(layer) is FoxCacheLayer for layer in layers)
+
+
+def test_config_json_with_layer_types_from_earlier_versions_still_loads(tmp_path):
+    config = FoxConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=3)
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "layer_types": ["fox_attention"] * 3}))
+    for loaded in (FoxConfig.from_pretrained(tmp_path), AutoConfig.from_pretrained(tmp_path)):
+        assert loaded.to_json_string() == config.to_json_string() and loaded.layer_types == ["fox_attention"] * 3
+    loaded.save_pretrained(tmp_path / "saved_again")
+    assert "layer_types" not in json.loads((tmp_path / "saved_again" / "config.json").read_text())
 
 
 @pytest.mark.parametrize(

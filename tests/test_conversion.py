@@ -27,6 +27,7 @@ from foxlm.conversion import llama as llama_conversion
 from foxlm.modeling_fox import fgate_bias_init_values
 
 from official_fox_format import official_config, official_logits, write_official_checkpoint
+from test_remote_code import tokenize_without_foxlm
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
@@ -99,6 +100,18 @@ def test_default_conversion_drops_rope_and_adds_zero_weight_gates(tmp_path):
         assert torch.equal(fox_layer.mlp.down_proj.weight, llama_layer.mlp.down_proj.weight)
     card = (tmp_path / "fox" / "README.md").read_text()
     assert "RoPE dropped" in card and "Fine-tune" in card and str(tmp_path / "llama") in card
+
+
+def test_converted_folder_tokenizer_loads_without_foxlm_or_trust_remote_code(tmp_path):
+    from conftest import byte_tokenizer
+
+    save_tiny(tmp_path / "llama")
+    tokenizer = byte_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "llama")
+    convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox")
+    expected = tokenizer("import os\nimport sys")["input_ids"]
+    for module, ids in tokenize_without_foxlm(tmp_path / "fox", "import os\nimport sys", tmp_path):
+        assert module.startswith("transformers.") and ids == expected  # transformers' class, not the folder's code
 
 
 def test_gate_init_choices_set_the_gate_biases(tmp_path):

@@ -1,5 +1,7 @@
-"""A saved FoX folder loads with trust_remote_code=True in a Python where foxlm cannot be imported."""
+"""A saved FoX folder loads with trust_remote_code=True in a Python where foxlm cannot be imported, and its
+tokenizer without it."""
 
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +23,29 @@ cached = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=Non
 torch.save(cached, sys.argv[4])
 """
 
+LOAD_TOKENIZER_WITHOUT_FOXLM = """
+import json, sys
+sys.modules["foxlm"] = None  # any `import foxlm` now raises ImportError
+from transformers import AutoTokenizer
+loaded = [AutoTokenizer.from_pretrained(sys.argv[1]),
+          AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=False)]
+json.dump([[type(t).__module__, t(sys.argv[2])["input_ids"]] for t in loaded], open(sys.argv[3], "w"))
+"""
+
+
+def tokenize_without_foxlm(folder, text, tmp_path):
+    """`AutoTokenizer.from_pretrained(folder)(text)` in a Python that cannot import foxlm, with stdin closed, without
+    `trust_remote_code` and with `trust_remote_code=False`. Without it transformers asks `[y/N]` whether to run the
+    folder's code (config.json has an `auto_map`); unanswered, it reads config.json through the base config class
+    instead, as with False. Returns [tokenizer module, token ids] of each call."""
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_TOKENIZER_WITHOUT_FOXLM, str(folder), text, str(tmp_path / "tokenized.json")],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((tmp_path / "tokenized.json").read_text())
+
 
 def test_saved_folder_loads_as_remote_code_without_foxlm(make_model, tmp_path):
     model = make_model()
@@ -38,6 +63,17 @@ def test_saved_folder_loads_as_remote_code_without_foxlm(make_model, tmp_path):
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), model(ids).logits)
     expected = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(torch.load(tmp_path / "generated.pt"), expected)
+
+
+def test_saved_folder_tokenizer_loads_without_foxlm_or_trust_remote_code(make_model, tmp_path):
+    from conftest import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    make_model(vocab_size=258).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    expected = tokenizer("def f(x):\n    return x")["input_ids"]
+    for module, ids in tokenize_without_foxlm(tmp_path / "model", "def f(x):\n    return x", tmp_path):
+        assert module.startswith("transformers.") and ids == expected  # transformers' class, not the folder's code
 
 
 def test_save_pretrained_can_leave_the_code_out(make_model, tmp_path):

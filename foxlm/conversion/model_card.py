@@ -22,7 +22,9 @@ tokenizer = AutoTokenizer.from_pretrained("{folder}")
 ```
 
 Without foxlm installed, `AutoModelForCausalLM.from_pretrained("{folder}", trust_remote_code=True)` loads the
-model with the code saved beside the weights.
+model with the code saved beside the weights. The tokenizer needs neither foxlm nor that code:
+`AutoTokenizer.from_pretrained("{folder}")` loads it either way (transformers first asks whether to run the folder's
+code, for its config; pass `trust_remote_code=False` to skip the question).
 """
 
 
