@@ -6,6 +6,8 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
+from .compat import CACHE_ARG
+
 FGATE_TYPES = ("data_dependent", "data_independent", "fixed", "none")
 ATTENTION_BACKENDS = ("auto", "triton", "reference")
 
@@ -72,7 +74,7 @@ class FoxConfig(PreTrainedConfig):
     ```"""
 
     model_type = "fox"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [CACHE_ARG]  # the output field Trainer's evaluation leaves out
     default_theta = 500000.0
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
@@ -180,6 +182,13 @@ class FoxConfig(PreTrainedConfig):
             raise ValueError(f"`acp_eps` must be in (0, 1), 'auto' or None, got {self.acp_eps!r}.")
         if self.decode_kv_eviction and not self.qk_norm:
             raise ValueError("`decode_kv_eviction` needs `qk_norm=True`: only QK-norm bounds |q.k| for future queries.")
+        rope_type = (self.rope_parameters or {}).get("rope_type", "default")
+        if not self.use_rope and rope_type != "default":
+            raise ValueError(
+                f"`rope_parameters` scale RoPE (rope_type {rope_type!r}) but `use_rope=False`: FoX without RoPE has "
+                "no positions to scale. Set `use_rope=True`, or drop the scaling (a converted model drops RoPE "
+                "unless `--keep-rope`)."
+            )
         if self.hidden_act not in ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu"):
             raise ValueError(f"`hidden_act` {self.hidden_act!r} is not a supported gated-MLP activation.")
 

@@ -85,8 +85,17 @@ def test_config_json_with_layer_types_from_earlier_versions_still_loads(tmp_path
         (dict(acp_eps=2.0), "acp_eps"),
         (dict(num_hidden_layers=2, layer_types=["full_attention"] * 2), "fox_attention"),
         (dict(num_hidden_layers=2, layer_types=["fox_attention"]), "entries for 2 layers"),
+        (dict(rope_parameters=dict(rope_type="linear", rope_theta=5e5, factor=4.0)), "use_rope=False"),
     ],
 )
 def test_invalid_values_raise_clear_errors(kwargs, message):
     with pytest.raises((ValueError, StrictDataclassClassValidationError), match=message):
         FoxConfig(**kwargs)
+
+
+def test_rope_scaling_is_kept_where_rope_is_used_and_trainer_leaves_the_cache_out_of_evaluation():
+    from foxlm.compat import CACHE_ARG
+
+    config = FoxConfig(use_rope=True, rope_parameters=dict(rope_type="linear", rope_theta=5e5, factor=4.0))
+    assert config.rope_parameters["factor"] == 4.0
+    assert config.keys_to_ignore_at_inference == [CACHE_ARG]
