@@ -294,8 +294,7 @@ def add_eval_commands(commands):
     needle.set_defaults(func=run_needle)
 
 
-CHECKOUT = Path(__file__).resolve().parents[1]  # the source checkout, where examples/ and benchmarks/ live
-FINETUNE_SCRIPT = CHECKOUT / "examples" / "finetune_long_context.py"
+CHECKOUT = Path(__file__).resolve().parents[1]  # the source checkout, where benchmarks/ lives
 
 
 def checkout_script(path, command):
@@ -308,14 +307,11 @@ def checkout_script(path, command):
 
 
 def run_finetune(script_args):
-    """`foxlm finetune ARGS` runs examples/finetune_long_context.py with ARGS: one readable script, two ways in."""
-    import importlib.util
+    """`foxlm finetune ARGS`: the job of foxlm/finetune.py with ARGS (also `python examples/finetune_long_context.py
+    ARGS` in a source checkout)."""
+    from foxlm.finetune import main as finetune
 
-    spec = importlib.util.spec_from_file_location("finetune_long_context",
-                                                  checkout_script(FINETUNE_SCRIPT, "foxlm finetune"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    script.main(script_args, prog="foxlm finetune")
+    finetune(script_args, prog="foxlm finetune")
 
 
 BENCHMARKS_DIR = CHECKOUT / "benchmarks"

@@ -1,6 +1,11 @@
-"""examples/finetune_long_context.py (also `foxlm finetune`): convert, fine-tune, save, evaluate, plot."""
+"""`foxlm finetune` (foxlm/finetune.py; also examples/finetune_long_context.py): convert, fine-tune, save, evaluate,
+plot."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +101,12 @@ def test_bad_arguments_are_named_before_any_training(llama_and_corpus):
     with pytest.raises(SystemExit, match="--eval-length 100000"):
         foxlm(["finetune", *finetune_args(root, "too-long", "--eval-length", "100000")])
     assert not (root / "too-long" / "checkpoints").exists()
+
+
+def test_the_example_script_takes_the_same_options():
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(root / "examples" / "finetune_long_context.py"), "--help"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: finetune_long_context.py") and "--max-minutes" in done.stdout
