@@ -70,7 +70,7 @@ def build_model(args):
 
 
 def training_arguments(args, on_gpu):
-    """The run's `TrainingArguments` (also used by benchmarks/trainer_step_profile.py, which profiles this step)."""
+    """The run's `TrainingArguments` (also used by `foxlm bench trainer-profile`, which profiles this step)."""
     return TrainingArguments(
         output_dir=str(Path(args.output_dir) / "trainer"), per_device_train_batch_size=args.batch_size,
         max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 10),

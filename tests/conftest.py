@@ -48,20 +48,6 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
 
 
-def load_script(path):
-    """A script outside the package (an example, a benchmark) imported as a module; its folder goes on sys.path, as
-    when it runs, so that it can import the scripts beside it."""
-    import importlib.util
-    import sys
-
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def make_config():
     return tiny_config
