@@ -48,6 +48,31 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
 
 
+def save_llama_and_corpus(root):
+    """A tiny LLaMA (byte-level tokenizer) in root/llama and a folder of text files, root/corpus, some of them held
+    out by the path hash; returns root."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=256,
+                                         eos_token_id=257, max_position_embeddings=128))
+    llama.save_pretrained(root / "llama")
+    byte_tokenizer().save_pretrained(root / "llama")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"doc{i}.txt").write_text(f"def function_{i}(x):\n    return x * {i}\n" * 30)
+    return root
+
+
+def finetune_args(root, run, *extra):
+    """`foxlm finetune` options for a tiny run on the model and corpus of `save_llama_and_corpus`."""
+    return ["--model", str(root / "llama"), "--output-dir", str(root / run), "--text-files",
+            str(root / "corpus" / "*.txt"), "--context", "128", "--steps", "3", "--tokens-per-step", "256",
+            "--lora-r", "4", "--eval-length", "256", "--eval-docs", "3", *extra]
+
+
 @pytest.fixture
 def make_config():
     return tiny_config

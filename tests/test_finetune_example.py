@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import byte_tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from conftest import finetune_args, save_llama_and_corpus
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from foxlm.cli import main as foxlm
 from foxlm.data import split_files, text_files
@@ -20,27 +19,10 @@ LABELS = {"original (RoPE)", "converted, before fine-tuning", "converted, fine-t
 
 @pytest.fixture(scope="module")
 def llama_and_corpus(tmp_path_factory):
-    """A tiny LLaMA (byte-level tokenizer) and a folder of text files, some of them held out by the path hash."""
-    root = tmp_path_factory.mktemp("finetune")
-    torch.manual_seed(0)
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=256,
-                                         eos_token_id=257, max_position_embeddings=128))
-    llama.save_pretrained(root / "llama")
-    byte_tokenizer().save_pretrained(root / "llama")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for i in range(12):
-        (corpus / f"doc{i}.txt").write_text(f"def function_{i}(x):\n    return x * {i}\n" * 30)
-    train, held_out = split_files(text_files(str(corpus / "*.txt")))
+    root = save_llama_and_corpus(tmp_path_factory.mktemp("finetune"))
+    train, held_out = split_files(text_files(str(root / "corpus" / "*.txt")))
     assert len(train) >= 6 and len(held_out) >= 2
     return root
-
-
-def finetune_args(root, run, *extra):
-    return ["--model", str(root / "llama"), "--output-dir", str(root / run), "--text-files",
-            str(root / "corpus" / "*.txt"), "--context", "128", "--steps", "3", "--tokens-per-step", "256",
-            "--lora-r", "4", "--eval-length", "256", "--eval-docs", "3", *extra]
 
 
 def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_and_corpus, capsys):
