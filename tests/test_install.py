@@ -4,11 +4,13 @@ environment, from a working directory outside the checkout."""
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import transformers
 from conftest import finetune_args, save_llama_and_corpus
 
 from foxlm.benchmarks.run_record import _foxlm_source_digest
@@ -29,7 +31,7 @@ def run(command, cwd):
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     """(bin folder, working directory) of a virtual environment where foxlm is a wheel built from this checkout; the
-    other packages (torch, transformers, ...) come from the base interpreter's site-packages, nothing is downloaded."""
+    other packages (torch, transformers, ...) are this interpreter's, nothing is downloaded."""
     pytest.importorskip("setuptools", minversion="70.1", reason="builds the wheel offline, without the wheel package")
     root = tmp_path_factory.mktemp("install")
     # The wheel is built from a copy of what it needs, so that setuptools' build/ and egg-info stay out of the
@@ -44,16 +46,22 @@ def installed(tmp_path_factory):
     venv = root / "venv"
     # The base interpreter's pip installs into the environment (seen through --system-site-packages).
     run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], cwd=root)
+    # Behind its own site-packages, this interpreter's: also those of a virtual environment it may be (CI's run on the
+    # oldest transformers), which --system-site-packages alone would skip for the base interpreter's.
+    (site_packages,) = (venv / "lib").glob("python*/site-packages")
+    (site_packages / "outer_environment.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     run([venv / "bin" / "python", "-m", "pip", "install", "--no-deps", "--no-index", "--quiet", wheel], cwd=root)
     work = root / "work"
     work.mkdir()
     return venv / "bin", work
 
 
-def test_the_environment_imports_the_installed_foxlm_with_the_checkouts_code(installed):
+def test_the_environment_imports_the_installed_foxlm_with_the_checkouts_code_and_this_transformers(installed):
     bin_dir, work = installed
-    code = "import foxlm; from foxlm.benchmarks.run_record import _foxlm_source_digest as d; print(foxlm.__file__, d())"
-    location, digest = run([bin_dir / "python", "-c", code], cwd=work).split()
+    code = ("import foxlm, transformers; from foxlm.benchmarks.run_record import _foxlm_source_digest as digest; "
+            "print(foxlm.__file__, digest(), transformers.__version__)")
+    location, digest, version = run([bin_dir / "python", "-c", code], cwd=work).split()
+    assert version == transformers.__version__
     # Its own site-packages, ahead of the base's (where an editable install of a checkout may be).
     assert Path(location).resolve().is_relative_to((bin_dir.parent / "lib").resolve()), location
     assert not Path(location).resolve().is_relative_to(ROOT)
