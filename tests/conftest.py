@@ -9,6 +9,13 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+def pytest_report_header(config):
+    import transformers
+
+    # CI runs the suite on more than one transformers release (.ci/run): each run's log says which.
+    return f"transformers {transformers.__version__}, torch {torch.__version__}"
+
+
 def tiny_config(**overrides):
     """A FoX (Pro) config small enough for CPU tests: GQA 4/2 heads, every Pro part on."""
     from foxlm import FoxConfig
