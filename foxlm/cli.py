@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from foxlm.benchmarks import BENCHMARKS, run as run_benchmark
+
 
 def stdlib_source_bytes(max_files=None, seed=0):
     """UTF-8 bytes of the Python standard library's own source files (the corpus of `foxlm.data`): real, long,
@@ -294,58 +296,28 @@ def add_eval_commands(commands):
     needle.set_defaults(func=run_needle)
 
 
-CHECKOUT = Path(__file__).resolve().parents[1]  # the source checkout, where examples/ and benchmarks/ live
-FINETUNE_SCRIPT = CHECKOUT / "examples" / "finetune_long_context.py"
-
-
-def checkout_script(path, command):
-    """`path`, a script of the source checkout that `command` runs; a clear error where foxlm is installed without
-    one."""
-    if not path.exists():
-        sys.exit(f"error: {command} runs {path.relative_to(CHECKOUT)} from a source checkout, and this installation "
-                 "has none: clone the foxlm repository and pip install -e '.[smollm2]' in it.")
-    return path
-
-
 def run_finetune(script_args):
-    """`foxlm finetune ARGS` runs examples/finetune_long_context.py with ARGS: one readable script, two ways in."""
-    import importlib.util
+    """`foxlm finetune ARGS`: the job of foxlm/finetune.py with ARGS (also `python examples/finetune_long_context.py
+    ARGS` in a source checkout)."""
+    from foxlm.finetune import main as finetune
 
-    spec = importlib.util.spec_from_file_location("finetune_long_context",
-                                                  checkout_script(FINETUNE_SCRIPT, "foxlm finetune"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    script.main(script_args, prog="foxlm finetune")
-
-
-BENCHMARKS_DIR = CHECKOUT / "benchmarks"
-BENCHMARKS = {  # `foxlm bench NAME`: script in benchmarks/, what it measures
-    "attention": ("bench_attention.py", "attention kernel vs SDPA cuDNN/flash, ACP rows (GPU)"),
-    "decode": ("bench_decode.py", "decode attention bandwidth and generate() tokens/s vs LLaMA (GPU)"),
-    "training": ("bench_training.py", "training tokens/s and memory vs LlamaForCausalLM (GPU)"),
-    "layer-ops": ("bench_layer_ops.py", "fused QK-norm, output norm+gate and token shift vs PyTorch (GPU)"),
-    "kernel-resources": ("kernel_resources.py", "registers and spills of every kernel config (no GPU needed)"),
-    "sweep-configs": ("sweep_attention_configs.py", "time candidate kernel launch configurations (GPU)"),
-    "trainer-profile": ("trainer_step_profile.py", "how busy the GPU is in a Trainer step, kernels per step (GPU)"),
-}
+    finetune(script_args, prog="foxlm finetune")
 
 
 def run_bench(name, script_args):
-    """`foxlm bench NAME ARGS` runs benchmarks/<script> with ARGS (results go to benchmarks/results/)."""
+    """`foxlm bench NAME ARGS` runs the benchmark module of foxlm.benchmarks named NAME with ARGS."""
     if name is None:
-        listing = "\n".join(f"  {n:<17} {what}" for n, (_, what) in BENCHMARKS.items())
-        message = (f"usage: foxlm bench NAME [options]\n\nRuns a benchmark script of benchmarks/ (`foxlm bench NAME "
-                   f"--help` for its options):\n{listing}")
+        listing = "\n".join(f"  {n:<17} {what}" for n, (_, what, _) in BENCHMARKS.items())
+        message = (f"usage: foxlm bench NAME [options]\n\nRuns a benchmark of foxlm.benchmarks (`foxlm bench NAME "
+                   f"--help` for its options):\n{listing}\n\nResults go to --out: benchmarks/results where foxlm "
+                   "runs from its source checkout, else the working directory.")
         if {"-h", "--help"} & set(script_args):
             print(message)
             sys.exit(0)
         sys.exit(message)
-    script = checkout_script(BENCHMARKS_DIR / BENCHMARKS[name][0], "foxlm bench")
-    import runpy
-
-    sys.path.insert(0, str(BENCHMARKS_DIR))  # the scripts import each other
-    sys.argv = [str(script), *script_args]
-    runpy.run_path(str(script), run_name="__main__")
+    status = run_benchmark(name, script_args)
+    if status:
+        sys.exit(status)
 
 
 def build_parser():
@@ -385,7 +357,7 @@ def build_parser():
 
 def main(argv=None):
     parser = build_parser()
-    # finetune's and bench's options belong to the scripts they run, which parse them themselves.
+    # finetune's and bench's options belong to the job and the benchmarks they run, which parse them themselves.
     args, extra = parser.parse_known_args(argv)
     if args.command == "finetune":
         run_finetune(extra)

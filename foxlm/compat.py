@@ -5,6 +5,10 @@ field of the model outputs with it). Its own LLaMA takes `cache`, and `past_key_
 5.17's takes `past_key_values` only. foxlm's forwards take `cache` and accept `past_key_values` on every version
 (with transformers' deprecation notice where transformers deprecates it), and hand the cache to transformers' own
 code (outputs, gradient-checkpointing layers) under the installed name, `CACHE_ARG`.
+
+transformers 5.23 renamed gradient checkpointing to activation checkpointing: `enable_activation_checkpointing`
+below for models, `foxlm.training.CHECKPOINTING_ARGUMENT` for `TrainingArguments` (kept beside the training code, so
+that the model does not import the trainer).
 """
 
 import dataclasses

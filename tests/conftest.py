@@ -9,6 +9,13 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+def pytest_report_header(config):
+    import transformers
+
+    # CI runs the suite on more than one transformers release (.ci/run): each run's log says which.
+    return f"transformers {transformers.__version__}, torch {torch.__version__}"
+
+
 def tiny_config(**overrides):
     """A FoX (Pro) config small enough for CPU tests: GQA 4/2 heads, every Pro part on."""
     from foxlm import FoxConfig
@@ -48,18 +55,29 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
 
 
-def load_script(path):
-    """A script outside the package (an example, a benchmark) imported as a module; its folder goes on sys.path, as
-    when it runs, so that it can import the scripts beside it."""
-    import importlib.util
-    import sys
+def save_llama_and_corpus(root):
+    """A tiny LLaMA (byte-level tokenizer) in root/llama and a folder of text files, root/corpus, some of them held
+    out by the path hash; returns root."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=256,
+                                         eos_token_id=257, max_position_embeddings=128))
+    llama.save_pretrained(root / "llama")
+    byte_tokenizer().save_pretrained(root / "llama")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"doc{i}.txt").write_text(f"def function_{i}(x):\n    return x * {i}\n" * 30)
+    return root
+
+
+def finetune_args(root, run, *extra):
+    """`foxlm finetune` options for a tiny run on the model and corpus of `save_llama_and_corpus`."""
+    return ["--model", str(root / "llama"), "--output-dir", str(root / run), "--text-files",
+            str(root / "corpus" / "*.txt"), "--context", "128", "--steps", "3", "--tokens-per-step", "256",
+            "--lora-r", "4", "--eval-length", "256", "--eval-docs", "3", *extra]
 
 
 @pytest.fixture

@@ -1,16 +1,13 @@
-"""benchmarks/bench_layer_ops.py on the CPU at a tiny size: every op is checked and timed on both paths."""
-
-from pathlib import Path
+"""foxlm.benchmarks.bench_layer_ops on the CPU at a tiny size: every op is checked and timed on both paths."""
 
 import pytest
-from conftest import load_script
 
 pytest.importorskip("triton")
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_layer_ops.py"
 
 
 def test_every_op_is_accurate_and_timed_on_the_fused_and_eager_paths(capsys):
-    bench = load_script(BENCH)
+    from foxlm.benchmarks import bench_layer_ops as bench
+
     ops = bench.make_ops(tokens=12, seqlen=6, heads=3, head_dim=48, device="cpu")
     assert set(ops) == {"qk_norm", "output_norm_gate", "token_shift"}
     rows = [bench.measure(name, fn, inputs, compiled=False) for name, (fn, inputs) in ops.items()]

@@ -1,19 +1,17 @@
-"""benchmarks/bench_training.py: its grid, its training step on every model (CPU, tiny size), its JSON and summary."""
+"""foxlm.benchmarks.bench_training: its grid, its training step on every model (CPU, tiny size), its JSON, summary."""
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_script
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_training.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_script(BENCH)
+    from foxlm.benchmarks import bench_training
+
+    return bench_training
 
 
 def test_default_grid_covers_models_sizes_contexts_checkpointing_acp_and_compile(bench):

@@ -1,4 +1,5 @@
 import json
+import subprocess
 
 import numpy as np
 import pytest
@@ -114,16 +115,47 @@ def test_other_commands_refuse_unknown_arguments(capsys):
     assert "--no-such-option" in capsys.readouterr().err
 
 
-def test_bench_lists_the_benchmarks_and_passes_options_to_their_scripts(capsys):
+def test_bench_lists_the_benchmarks_and_passes_options_to_their_modules(capfd):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--help"])
     assert exit_info.value.code == 0
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     assert "attention" in out and "kernel-resources" in out and "training" in out and "trainer-profile" in out
-    with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "layer-ops", "--help"])
-    assert exit_info.value.code == 0
-    out = capsys.readouterr().out
+    main(["bench", "layer-ops", "--help"])  # in a new process, which writes to the file descriptors
+    out = capfd.readouterr().out
     assert out.startswith("usage: bench_layer_ops.py") and "--tokens" in out
     with pytest.raises(SystemExit):
         main(["bench", "no-such-benchmark"])
+
+
+def test_a_benchmark_runs_the_callers_foxlm_not_one_in_the_working_directory(tmp_path, monkeypatch, capfd):
+    (tmp_path / "foxlm").mkdir()
+    (tmp_path / "foxlm" / "__init__.py").write_text("raise ImportError('the working directory\'s foxlm')\n")
+    monkeypatch.chdir(tmp_path)
+    main(["bench", "training", "--help"])
+    assert capfd.readouterr().out.startswith("usage: bench_training.py")
+
+
+def test_a_benchmark_gets_its_environment_defaults_under_the_callers_settings(monkeypatch):
+    calls = []
+
+    def record(command, env):
+        calls.append(env)
+        return subprocess.CompletedProcess(command, 3)
+
+    monkeypatch.setattr(subprocess, "run", record)
+    monkeypatch.delenv("FOXLM_AUTOTUNE", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "decode", "--parts", "attention"])
+    assert exit_info.value.code == 3  # the benchmark's exit status is the command's
+    monkeypatch.setenv("FOXLM_AUTOTUNE", "1")
+    with pytest.raises(SystemExit):
+        main(["bench", "decode"])
+    assert [env["FOXLM_AUTOTUNE"] for env in calls] == ["0", "1"]
+
+
+def test_the_config_sweep_refuses_to_run_without_autotuning(monkeypatch, capfd):
+    monkeypatch.setenv("FOXLM_AUTOTUNE", "0")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "sweep-configs"])
+    assert exit_info.value.code == 1 and "unset FOXLM_AUTOTUNE" in capfd.readouterr().err

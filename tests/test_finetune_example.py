@@ -1,11 +1,15 @@
-"""examples/finetune_long_context.py (also `foxlm finetune`): convert, fine-tune, save, evaluate, plot."""
+"""`foxlm finetune` (foxlm/finetune.py; also examples/finetune_long_context.py): convert, fine-tune, save, evaluate,
+plot."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-import torch
-from conftest import byte_tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from conftest import finetune_args, save_llama_and_corpus
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from foxlm.cli import main as foxlm
 from foxlm.data import split_files, text_files
@@ -15,27 +19,10 @@ LABELS = {"original (RoPE)", "converted, before fine-tuning", "converted, fine-t
 
 @pytest.fixture(scope="module")
 def llama_and_corpus(tmp_path_factory):
-    """A tiny LLaMA (byte-level tokenizer) and a folder of text files, some of them held out by the path hash."""
-    root = tmp_path_factory.mktemp("finetune")
-    torch.manual_seed(0)
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=256,
-                                         eos_token_id=257, max_position_embeddings=128))
-    llama.save_pretrained(root / "llama")
-    byte_tokenizer().save_pretrained(root / "llama")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for i in range(12):
-        (corpus / f"doc{i}.txt").write_text(f"def function_{i}(x):\n    return x * {i}\n" * 30)
-    train, held_out = split_files(text_files(str(corpus / "*.txt")))
+    root = save_llama_and_corpus(tmp_path_factory.mktemp("finetune"))
+    train, held_out = split_files(text_files(str(root / "corpus" / "*.txt")))
     assert len(train) >= 6 and len(held_out) >= 2
     return root
-
-
-def finetune_args(root, run, *extra):
-    return ["--model", str(root / "llama"), "--output-dir", str(root / run), "--text-files",
-            str(root / "corpus" / "*.txt"), "--context", "128", "--steps", "3", "--tokens-per-step", "256",
-            "--lora-r", "4", "--eval-length", "256", "--eval-docs", "3", *extra]
 
 
 def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_and_corpus, capsys):
@@ -96,3 +83,12 @@ def test_bad_arguments_are_named_before_any_training(llama_and_corpus):
     with pytest.raises(SystemExit, match="--eval-length 100000"):
         foxlm(["finetune", *finetune_args(root, "too-long", "--eval-length", "100000")])
     assert not (root / "too-long" / "checkpoints").exists()
+
+
+def test_the_example_script_takes_the_same_options():
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(root / "examples" / "finetune_long_context.py"), "--help"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: finetune_long_context.py") and "--max-minutes" in done.stdout

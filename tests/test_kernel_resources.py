@@ -1,21 +1,20 @@
-"""benchmarks/kernel_resources.py compiles a kernel for sm_90 on a machine without a GPU and reads its resources and
+"""foxlm.benchmarks.kernel_resources compiles a kernel for sm_90 on a machine without a GPU and reads its resources and
 the length of its main loop."""
 
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_resources.py"
+SCRIPT = [sys.executable, "-m", "foxlm.benchmarks.kernel_resources"]
 
 
 def test_reports_registers_spills_and_shared_memory_of_the_default_forward_configuration():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, str(SCRIPT), "--head-dim", "64", "--kernels", "fwd", "--first-only"],
+    out = subprocess.run([*SCRIPT, "--head-dim", "64", "--kernels", "fwd", "--first-only"],
                          capture_output=True, text=True, env=env, timeout=600, check=True).stdout
     rows = [line for line in out.splitlines() if line.startswith("| fwd |")]
     assert len(rows) == 1, out
@@ -26,7 +25,7 @@ def test_reports_registers_spills_and_shared_memory_of_the_default_forward_confi
 
 
 def test_refuses_to_run_in_the_interpreter():
-    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
+    result = subprocess.run(SCRIPT, capture_output=True, text=True,
                             env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=120)
     assert result.returncode != 0 and "unset TRITON_INTERPRET" in result.stderr
 
@@ -40,7 +39,7 @@ def test_default_configurations_keep_tensor_core_instructions_asynchronous_with_
     for any layout, pruned or not, and pruning may not lengthen the main loops."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     kernels = ["fwd", "dq", "dkdv"] if layout == "dense" else ["fwd", "dq"]  # keeps CI short; dK/dV was not hit
-    out = subprocess.run([sys.executable, str(SCRIPT), "--first-only", "--prune", "--layout", layout, "--kernels",
+    out = subprocess.run([*SCRIPT, "--first-only", "--prune", "--layout", layout, "--kernels",
                           *kernels], capture_output=True, text=True, env=env, timeout=900, check=True).stdout
     loops, serialized = {}, []
     for row in out.splitlines():

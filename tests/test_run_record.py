@@ -1,22 +1,22 @@
-"""benchmarks/run_record.py: the metadata and file of every benchmark's results."""
+"""foxlm.benchmarks.run_record: the metadata and file of every benchmark's results."""
 
 import json
 import shutil
 import subprocess
 from pathlib import Path
 
-from conftest import load_script
+import pytest
 
-RUN_RECORD = Path(__file__).resolve().parents[1] / "benchmarks" / "run_record.py"
+import foxlm
+from foxlm.benchmarks import run_record
 
 
 def test_a_record_names_its_device_software_and_commit_and_is_written_whole(tmp_path):
-    run_record = load_script(RUN_RECORD)
     record = run_record.new_record(rows=[1, 2])
     assert record["device"] == "cpu" and record["rows"] == [1, 2]
     assert {"date", "python", "torch", "transformers"} <= set(record)
     assert len(record["foxlm_source_sha256"]) == 16 and int(record["foxlm_source_sha256"], 16) >= 0
-    checkout = RUN_RECORD.parents[1]
+    checkout = Path(foxlm.__file__).resolve().parents[1]
     if shutil.which("git") and (checkout / ".git").exists():
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True,
                               text=True).stdout.strip()
@@ -27,3 +27,10 @@ def test_a_record_names_its_device_software_and_commit_and_is_written_whole(tmp_
     run_record.write_record(path, record)
     assert json.loads(Path(path).read_text()) == record
     assert [p.name for p in (tmp_path / "results").iterdir()] == [Path(path).name]  # no temporary file left
+
+
+def test_results_go_to_benchmarks_results_of_the_checkout_that_foxlm_runs_from():
+    checkout = Path(foxlm.__file__).resolve().parents[1]
+    if not (checkout / "pyproject.toml").is_file():
+        pytest.skip("foxlm is installed here, not run from its checkout (tests/test_install.py runs an installed one)")
+    assert Path(run_record.RESULTS_DIR) == checkout / "benchmarks" / "results"

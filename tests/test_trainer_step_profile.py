@@ -1,16 +1,12 @@
-"""benchmarks/trainer_step_profile.py: the GPU busy time it reads off a trace, and its refusal without a GPU."""
-
-from pathlib import Path
+"""foxlm.benchmarks.trainer_step_profile: the GPU busy time it reads off a trace, and its refusal without a GPU."""
 
 import pytest
 import torch
-from conftest import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "trainer_step_profile.py"
+from foxlm.benchmarks import trainer_step_profile as profile
 
 
 def test_busy_time_is_the_union_of_kernel_intervals():
-    profile = load_script(SCRIPT)
     events = [
         dict(cat="kernel", ts=0, dur=10), dict(cat="kernel", ts=5, dur=10),  # overlap: 0-15
         dict(cat="kernel", ts=20, dur=5), dict(cat="kernel", ts=21, dur=1),  # nested: 20-25
@@ -23,7 +19,6 @@ def test_busy_time_is_the_union_of_kernel_intervals():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given on a machine without a GPU")
 def test_refuses_to_run_without_a_gpu(monkeypatch):
-    profile = load_script(SCRIPT)
     monkeypatch.setattr("sys.argv", ["trainer_step_profile.py", "--size", "tiny"])
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         profile.main()

@@ -8,7 +8,7 @@ FINE_TUNE = """## Fine-tune it
 
 ```bash
 pip install foxlm
-python examples/finetune_long_context.py --help   # foxlm's long-context fine-tuning example (Trainer + LoRA)
+foxlm finetune --help   # foxlm's long-context fine-tuning job (Trainer + LoRA)
 ```
 
 or in your own `Trainer` loop (LoRA on the attention and MLP projections, the new `fgate_proj` fully trainable):

@@ -1,7 +1,8 @@
-"""The record every benchmark writes: one JSON file per run, `<kind>_<device>_<UTC date-time>.json` in
-benchmarks/results (or `--out`), that starts with what the run measured on: the device, the software versions, a
-digest of the foxlm sources that ran and, from a git checkout, the foxlm commit (marked `-dirty` with uncommitted
-changes). The digest identifies the code even where the commit cannot: a copied tree may carry a stale `.git`."""
+"""The record every benchmark writes: one JSON file per run, `<kind>_<device>_<UTC date-time>.json` in `--out`
+(`RESULTS_DIR` by default: benchmarks/results where foxlm runs from its source checkout, else the working directory),
+that starts with what the run measured on: the device, the software versions, a digest of the foxlm sources that ran
+and, from a git checkout, the foxlm commit (marked `-dirty` with uncommitted changes). The digest identifies the code
+even where the commit cannot: a copied tree may carry a stale `.git`."""
 
 import datetime
 import hashlib
@@ -14,7 +15,11 @@ from pathlib import Path
 
 import torch
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+PACKAGE = Path(__file__).resolve().parents[1]  # foxlm/
+_ROOT = PACKAGE.parent
+# The source checkout foxlm runs from (an editable install or PYTHONPATH), or None where it is installed.
+CHECKOUT = _ROOT if (_ROOT / "pyproject.toml").is_file() and (_ROOT / "benchmarks").is_dir() else None
+RESULTS_DIR = str(CHECKOUT / "benchmarks" / "results") if CHECKOUT else os.curdir
 
 
 def new_record(**fields):
@@ -54,20 +59,18 @@ def write_record(path, record):
     os.replace(partial, path)
 
 
-CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def _foxlm_source_digest():
     """sha256 of the package's Python files (paths and contents), the first 16 hex digits."""
-    package = Path(CHECKOUT) / "foxlm"
     digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        digest.update(path.relative_to(package).as_posix().encode())
+    for path in sorted(PACKAGE.rglob("*.py")):
+        digest.update(path.relative_to(PACKAGE).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
 def _foxlm_commit():
+    if CHECKOUT is None:  # installed: whatever repository holds site-packages is not foxlm's
+        return None
     try:
         def git(*args):
             return subprocess.run(["git", *args], cwd=CHECKOUT, capture_output=True, text=True, timeout=10,
