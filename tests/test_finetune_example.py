@@ -8,8 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import finetune_args, save_llama_and_corpus
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback
+
+from foxlm import finetune
 
 from foxlm.cli import main as foxlm
 from foxlm.data import split_files, text_files
@@ -72,6 +76,42 @@ def test_resume_continues_from_the_last_checkpoint(llama_and_corpus):
     history = json.loads((run / "train_log.json").read_text())
     assert history[0]["mark"] == "from checkpoint-2"  # the run went on from the checkpoint's state
     assert [entry["step"] for entry in history if "loss" in entry] == [1, 2, 3]
+
+
+class KillAfterCheckpoint(TrainerCallback):
+    """Stops a run as a kill would, right after checkpoint `step` is on disk."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt(f"killed after checkpoint-{self.step}")
+
+
+@pytest.mark.parametrize("mode", [[], ["--full"]], ids=["lora", "full"])
+def test_a_killed_run_resumed_ends_bit_identical_to_an_uninterrupted_one(llama_and_corpus, monkeypatch, mode):
+    root = llama_and_corpus
+    name = "resumed-" + ("full" if mode else "lora")
+    args = [*mode, "--steps", "3", "--save-steps", "1", "--skip-eval"]
+    foxlm(["finetune", *finetune_args(root, name + "-whole", *args)])
+    with monkeypatch.context() as patch:
+        def killed_trainer(*args, callbacks, **kwargs):
+            return Trainer(*args, callbacks=[*callbacks, KillAfterCheckpoint(2)], **kwargs)
+
+        patch.setattr(finetune, "Trainer", killed_trainer)
+        with pytest.raises(KeyboardInterrupt):
+            foxlm(["finetune", *finetune_args(root, name, *args)])
+    state_path = root / name / "checkpoints" / "checkpoint-2" / "trainer_state.json"
+    state = json.loads(state_path.read_text())
+    state["log_history"][0]["mark"] = "from the killed run"
+    state_path.write_text(json.dumps(state))
+    foxlm(["finetune", *finetune_args(root, name, *args, "--resume")])
+    assert json.loads((root / name / "train_log.json").read_text())[0]["mark"] == "from the killed run"
+    whole = load_file(root / (name + "-whole") / "fine-tuned" / "model.safetensors")
+    resumed = load_file(root / name / "fine-tuned" / "model.safetensors")
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[key], resumed[key]) for key in whole)
 
 
 def test_bad_arguments_are_named_before_any_training(llama_and_corpus):
