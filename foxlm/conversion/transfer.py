@@ -200,6 +200,8 @@ def transfer_attention(teacher, student, batches, *, steps, lr=DEFAULT_LR, qk_ra
     if first is None:
         raise ValueError("`batches` is empty: give at least one (batch, seq_len) tensor of input ids.")
     eval_batches = [first] if eval_batches is None else list(eval_batches)
+    if not eval_batches:
+        raise ValueError("`eval_batches` is empty: leave it None (the first batch) or give input-id tensors.")
 
     was_training = teacher.training, student.training
     requires_grad = {name: p.requires_grad for name, p in student.named_parameters()}
