@@ -112,7 +112,8 @@ def fox_from_llama(model, **options):
     """
     config = fox_config_from_llama(model.config, **options)
     state_dict = model.state_dict()
-    dtype = next(iter(state_dict.values())).dtype
+    first = next(iter(state_dict.values()))
+    dtype, device = first.dtype, first.device  # the new tensors go where the source is (a GPU, for a transfer)
     with torch.device("meta"):
         fox = FoxForCausalLM(config)
     missing, unexpected = fox.load_state_dict(state_dict, strict=False, assign=True)
@@ -123,14 +124,14 @@ def fox_from_llama(model, **options):
         module_name, _, param_name = name.rpartition(".")
         module = fox.get_submodule(module_name)
         if name.endswith("fgate_proj.bias"):
-            value = fgate_bias_init_values(config, module.out_features).to(dtype)
+            value = fgate_bias_init_values(config, module.out_features).to(device, dtype)
         elif name.endswith(("fgate_proj.weight", "o_proj.bias")):
-            value = torch.zeros(getattr(module, param_name).shape, dtype=dtype)
+            value = torch.zeros(getattr(module, param_name).shape, dtype=dtype, device=device)
         else:
             raise ConversionError(f"the source checkpoint has no tensor for {name}")
         setattr(module, param_name, torch.nn.Parameter(value))
     if config.use_rope:  # a non-persistent buffer, still on the meta device
-        fox.model.rotary_emb = type(fox.model.rotary_emb)(config=config)
+        fox.model.rotary_emb = type(fox.model.rotary_emb)(config=config).to(device)
     still_meta = [name for name, tensor in [*fox.named_parameters(), *fox.named_buffers()] if tensor.is_meta]
     if still_meta:
         raise ConversionError(f"no value for {still_meta[:5]}: the converter does not know these FoX tensors yet")
