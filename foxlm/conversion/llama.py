@@ -3,7 +3,8 @@
 FoX keeps LLaMA's module names, so every pretrained tensor moves over unchanged. The converter adds one forget gate
 per query head and layer (`self_attn.fgate_proj`: zero weights and a bias from `gate_init`), drops RoPE unless
 asked to keep it, and copies the tokenizer and generation config. No q/k permutation is needed: without RoPE,
-`q . k` does not depend on the order of channels within a head.
+`q . k` does not depend on the order of channels within a head. With `transfer_steps`, the converted attention is then
+trained to reproduce the source's (`transfer.py`).
 """
 
 import logging
@@ -17,6 +18,8 @@ from ..configuration_fox import FoxConfig
 from ..modeling_fox import FoxForCausalLM, fgate_bias_init_values
 from .model_card import write_model_card
 from .output import ConversionError, atomic_output_dir, check_output_dir, torch_dtype
+from .transfer import DEFAULT_LR as DEFAULT_TRANSFER_LR
+from .transfer import transfer_attention
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +112,8 @@ def fox_from_llama(model, **options):
     """
     config = fox_config_from_llama(model.config, **options)
     state_dict = model.state_dict()
-    dtype = next(iter(state_dict.values())).dtype
+    first = next(iter(state_dict.values()))
+    dtype, device = first.dtype, first.device  # the new tensors go where the source is (a GPU, for a transfer)
     with torch.device("meta"):
         fox = FoxForCausalLM(config)
     missing, unexpected = fox.load_state_dict(state_dict, strict=False, assign=True)
@@ -120,14 +124,14 @@ def fox_from_llama(model, **options):
         module_name, _, param_name = name.rpartition(".")
         module = fox.get_submodule(module_name)
         if name.endswith("fgate_proj.bias"):
-            value = fgate_bias_init_values(config, module.out_features).to(dtype)
+            value = fgate_bias_init_values(config, module.out_features).to(device, dtype)
         elif name.endswith(("fgate_proj.weight", "o_proj.bias")):
-            value = torch.zeros(getattr(module, param_name).shape, dtype=dtype)
+            value = torch.zeros(getattr(module, param_name).shape, dtype=dtype, device=device)
         else:
             raise ConversionError(f"the source checkpoint has no tensor for {name}")
         setattr(module, param_name, torch.nn.Parameter(value))
     if config.use_rope:  # a non-persistent buffer, still on the meta device
-        fox.model.rotary_emb = type(fox.model.rotary_emb)(config=config)
+        fox.model.rotary_emb = type(fox.model.rotary_emb)(config=config).to(device)
     still_meta = [name for name, tensor in [*fox.named_parameters(), *fox.named_buffers()] if tensor.is_meta]
     if still_meta:
         raise ConversionError(f"no value for {still_meta[:5]}: the converter does not know these FoX tensors yet")
@@ -139,13 +143,24 @@ def fox_from_llama(model, **options):
 
 
 def convert_llama_to_fox(source, output_dir, *, keep_rope=False, dtype="auto", max_shard_size="5GB", force=False,
-                         gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS, decay_times=DEFAULT_DECAY_TIMES):
+                         gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS, decay_times=DEFAULT_DECAY_TIMES,
+                         transfer_steps=0, transfer_data=None, transfer_lr=DEFAULT_TRANSFER_LR, transfer_qk_rank=0,
+                         transfer_device=None):
     """Convert a LLaMA-family checkpoint (`source`: folder, Hub id or .gguf file) into a FoX model folder.
 
-    Nothing is written when the source is unsupported or `output_dir` is not empty and `force` is False; the
-    output appears complete or not at all. Returns the output folder as a Path.
+    With `transfer_steps` > 0 the converted model's attention is first trained to reproduce the source's
+    (`transfer_attention`: the forget gates, and rank-`transfer_qk_rank` q/k updates merged into the weights) on
+    `transfer_data`, an iterable of (batch, seq_len) input-id tensors (`token_batches` makes them from texts), on
+    `transfer_device` (default: CUDA when available, else the CPU). Nothing is written when the source is unsupported
+    or `output_dir` is not empty and `force` is False; the output appears complete or not at all. Returns the output
+    folder as a Path.
     """
     check_output_dir(output_dir, force)
+    if isinstance(transfer_steps, bool) or not isinstance(transfer_steps, int) or transfer_steps < 0:
+        raise ConversionError(f"transfer_steps must be a non-negative integer, got {transfer_steps!r}.")
+    if (transfer_steps > 0) != (transfer_data is not None):
+        raise ConversionError("attention transfer needs both transfer_steps > 0 and transfer_data (input-id batches); "
+                              f"got transfer_steps={transfer_steps} and transfer_data={type(transfer_data).__name__}.")
     source_config = load_source_config(source)
     options = dict(keep_rope=keep_rope, gate_init=gate_init, gate_bias=gate_bias, decay_times=decay_times)
     fox_config_from_llama(source_config, **options)  # validate the options before loading any weights
@@ -154,16 +169,25 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, dtype="auto", m
     target_dtype = torch_dtype(dtype, source_dtype)
     name_or_path, kwargs = resolve_source(source)
 
-    steps = tqdm(total=4, desc="foxlm convert llama", unit="step")
+    steps = tqdm(total=5 if transfer_steps else 4, desc="foxlm convert llama", unit="step")
     steps.set_postfix_str("loading the source model")
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=target_dtype, **kwargs)
+    if transfer_steps:  # before converting, so that the source and the FoX model share their tensors there too
+        model.to(transfer_device or ("cuda" if torch.cuda.is_available() else "cpu"))
     steps.update()
     steps.set_postfix_str("adding forget gates")
     fox = fox_from_llama(model, **options)
-    del model
-    for note in conversion_notes(source_config):
+    notes = conversion_notes(source_config)
+    for note in notes:
         logger.warning(note)
     steps.update()
+    if transfer_steps:
+        steps.set_postfix_str("attention transfer")
+        record = transfer_attention(model, fox, transfer_data, steps=transfer_steps, lr=transfer_lr,
+                                    qk_rank=transfer_qk_rank)
+        notes.append(transfer_note(record, transfer_lr))
+        steps.update()
+    del model
     with atomic_output_dir(output_dir, force) as staging:
         steps.set_postfix_str("saving the model")
         fox.save_pretrained(staging, max_shard_size=max_shard_size)
@@ -174,7 +198,7 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, dtype="auto", m
             GenerationConfig.from_model_config(fox.config).save_pretrained(staging)
         write_model_card(staging, name=Path(output_dir).name, kind="llama", source=str(source),
                          source_config=source_config, config=fox.config, options=options, dtype=target_dtype,
-                         tokenizer_saved=tokenizer_saved, notes=conversion_notes(source_config))
+                         tokenizer_saved=tokenizer_saved, notes=notes)
         steps.update()
     steps.close()
     return Path(output_dir)
@@ -189,6 +213,16 @@ def conversion_notes(config):
     if window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
         notes.append(f"The sliding window ({window} tokens) is dropped: FoX attends to the whole context.")
     return notes
+
+
+def transfer_note(record, lr):
+    """The model card's line on an attention transfer."""
+    trained = "the forget gates" + (f" and rank-{record.qk_rank} q/k updates (merged)" if record.qk_rank else "")
+    mean = lambda errors: sum(errors) / len(errors)  # noqa: E731
+    return (f"Attention transfer: {record.steps} steps (Adam, lr {lr:g}) trained {trained} so that every layer's "
+            "attention reproduces the source's attention output on the source's hidden states; mean layer error "
+            f"(MSE over the source output's mean square, first batch) {mean(record.error_before):.3f} before, "
+            f"{mean(record.error_after):.3f} after.")
 
 
 def save_tokenizer(name_or_path, kwargs, output_dir):

