@@ -4,6 +4,7 @@ name, no keyword argument dropped silently, and clear refusals of what FoX does 
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,14 @@ def test_the_cache_is_taken_under_either_name_and_returned_under_the_installed_o
     model = make_model()
     ids = torch.randint(3, 97, (2, 9))
     cache = DynamicCache(config=model.config)
-    first = model(ids[:, :6], use_cache=True, **{name: cache})
-    assert getattr(first, CACHE_ARG) is cache and cache.get_seq_length() == 6
-    rest = model(ids[:, 6:], use_cache=True, **{name: cache}).logits
+    # `past_key_values` where transformers renamed it gets transformers' notice, as LLaMA's forward does.
+    deprecated = name == "past_key_values" and CACHE_ARG == "cache"
+    with pytest.warns(FutureWarning, match="past_key_values") if deprecated else warnings.catch_warnings():
+        if not deprecated:
+            warnings.simplefilter("error", FutureWarning)
+        first = model(ids[:, :6], use_cache=True, **{name: cache})
+        assert getattr(first, CACHE_ARG) is cache and cache.get_seq_length() == 6
+        rest = model(ids[:, 6:], use_cache=True, **{name: cache}).logits
     torch.testing.assert_close(torch.cat([first.logits, rest], 1), model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
