@@ -7,6 +7,7 @@ from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 from .compat import CACHE_ARG
+from .kernels.acp import DEFAULT_PRUNE_EPS
 
 FGATE_TYPES = ("data_dependent", "data_independent", "fixed", "none")
 ATTENTION_BACKENDS = ("auto", "triton", "reference")
@@ -134,7 +135,7 @@ class FoxConfig(PreTrainedConfig):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.acp_eps == "auto":
-            self.acp_eps = math.exp(-10) if self.qk_norm else None
+            self.acp_eps = DEFAULT_PRUNE_EPS if self.qk_norm else None
         super().__post_init__(**kwargs)
 
     @classmethod

@@ -28,9 +28,10 @@ from transformers.utils.output_capturing import capture_outputs
 from .cache_fox import FoxCacheLayer
 from .compat import CACHE_ARG, accepts_legacy_cache_arg, cache_kwargs, check_forward_kwargs
 from .configuration_fox import FoxConfig
-from .kernels.decode import MAX_DECODE_QUERIES, acp_threshold, forgetting_decode
-from .kernels.interface import forgetting_attention, packed_sequence_lengths
-from .kernels.layer_ops import head_rms_norm, token_shift
+from .kernels.acp import DEFAULT_PRUNE_EPS, acp_threshold, cached_score_bound, qk_norm_score_bound
+from .kernels.attention.attention import forgetting_attention, packed_sequence_lengths
+from .kernels.decode.decode import MAX_DECODE_QUERIES, forgetting_decode
+from .kernels.layer_ops.layer_ops import head_rms_norm, token_shift
 from .remote_code import AUTO_MAP, write_remote_code
 
 
@@ -203,18 +204,11 @@ class FoxAttention(nn.Module):
         return shifted, raw
 
     def _acp_bound(self, q, cache_layer):
-        """U >= |sm_scale q.k| per (batch, query head) (fox-reference.md §5): from the QK-norm scales (then valid for
-        future queries too), else from the largest norms of the new queries and of every cached key."""
-        group = self.num_heads // self.num_kv_heads
+        """U >= |sm_scale q.k| per (batch, query head) (fox-reference.md §5, `kernels/acp.py`): from the QK-norm scales
+        (then valid for future queries too), else from the largest norms of the new queries and of every cached key."""
         if self.config.qk_norm:
-            # An RMSNorm output has norm <= max|w| sqrt(d); 2^-7 covers its rounding to bf16. RoPE keeps norms.
-            w_q = self.q_norm.weight.detach().view(self.num_heads, -1).abs().amax(-1).float()
-            w_k = self.k_norm.weight.detach().view(self.num_kv_heads, -1).abs().amax(-1).float()
-            u = w_q * w_k.repeat_interleave(group) * self.head_dim * self.scaling * (1 + 2**-7)
-            return u.expand(q.shape[0], -1)
-        q_norm = q.detach().float().norm(dim=-1).amax(1)
-        u = q_norm * cache_layer.key_norm_max.repeat_interleave(group, dim=1) * self.scaling
-        return u.nan_to_num(nan=float("inf"))  # NaN in q or k: prune nothing, so that the NaN is not hidden
+            return qk_norm_score_bound(q, self.q_norm.weight, self.k_norm.weight, self.scaling)
+        return cached_score_bound(q, cache_layer.key_norm_max, self.scaling)
 
     def _cached_attention(self, q, k, v, log_fgate, raw_k, raw_v, cache_layer, layout):
         """Attention of the new tokens against the cache: the prefill kernel for a first or long chunk, the decode
@@ -225,7 +219,7 @@ class FoxAttention(nn.Module):
         eps = self.config.acp_eps
         evict_delta = None
         if self.config.decode_kv_eviction:
-            eps = eps or math.exp(-10)
+            eps = eps or DEFAULT_PRUNE_EPS
             # log L over the longest sequence the model is meant for: the bound then holds for every later query.
             horizon = max(self.config.max_position_embeddings, past + T)
             evict_delta = acp_threshold(self._acp_bound(q, cache_layer), horizon, eps)

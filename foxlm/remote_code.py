@@ -2,8 +2,10 @@
 `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` on machines without foxlm.
 
 transformers copies remote code as flat files and resolves only sibling imports (`from .name import x`), so the
-package's modules are written flat: `foxlm/kernels/reference.py` becomes `reference.py` and the import
-`from .kernels.reference import x` in `modeling_fox.py` becomes `from .reference import x`.
+package's modules are written flat: `foxlm/kernels/attention/attention_reference.py` becomes `attention_reference.py`,
+the import `from .kernels.attention.attention import x` in `modeling_fox.py` becomes `from .attention import x`, and
+`from ..acp import x` in a kernel subfolder becomes `from .acp import x`. Module basenames are therefore unique across
+the package's folders.
 """
 
 import re
@@ -16,13 +18,22 @@ REMOTE_CODE_MODULES = (
     "modeling_fox.py",
     "cache_fox.py",
     "compat.py",
-    "kernels/interface.py",
-    "kernels/layer_ops.py",
+    "kernels/common.py",
+    "kernels/dispatch.py",
     "kernels/acp.py",
-    "kernels/reference.py",
-    "kernels/triton_attention.py",
-    "kernels/decode.py",
-    "kernels/triton_decode.py",
+    "kernels/attention/attention.py",
+    "kernels/attention/attention_reference.py",
+    "kernels/attention/attention_launch.py",
+    "kernels/attention/attention_triton.py",
+    "kernels/attention/attention_gate_scan.py",
+    "kernels/attention/attention_tuning.py",
+    "kernels/attention/attention_hopper.py",
+    "kernels/decode/decode.py",
+    "kernels/decode/decode_reference.py",
+    "kernels/decode/decode_triton.py",
+    "kernels/layer_ops/layer_ops.py",
+    "kernels/layer_ops/layer_ops_reference.py",
+    "kernels/layer_ops/layer_ops_triton.py",
     "remote_code.py",
 )
 AUTO_MAP = {
@@ -35,7 +46,8 @@ _RELATIVE_IMPORT = re.compile(r"^(\s*from\s+)\.([\w.]+)(\s+import\s)", flags=re.
 
 
 def flatten_imports(source):
-    """Rewrite `from .a.b import x` to `from .b import x` (every module lands in one folder)."""
+    """Rewrite `from .a.b import x` to `from .b import x` and `from ..b import x` to `from .b import x` (every module
+    lands in one folder); `from . import x` stays."""
     return _RELATIVE_IMPORT.sub(lambda m: f"{m.group(1)}.{m.group(2).rsplit('.', 1)[-1]}{m.group(3)}", source)
 
 

@@ -16,6 +16,17 @@ def pytest_report_header(config):
     return f"transformers {transformers.__version__}, torch {torch.__version__}"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` (beside the CPU tests of the same module) need CUDA: without it they are skipped. On a GPU
+    machine `python -m pytest -m gpu tests` runs them all."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 def tiny_config(**overrides):
     """A FoX (Pro) config small enough for CPU tests: GQA 4/2 heads, every Pro part on."""
     from foxlm import FoxConfig

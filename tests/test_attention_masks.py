@@ -137,7 +137,6 @@ def test_a_mask_of_the_wrong_shape_is_refused(make_model):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_masked_tokens_are_removed_on_the_gpu_in_prefill_and_decode(make_model):
     """The Triton prefill and decode kernels on a GPU (fp32, TF32 products), against the float64 CPU model."""
     model = make_model(head_dim=16).cuda()

@@ -88,7 +88,7 @@ def test_packed_documents_do_not_see_each_other(make_model):
 
 
 def test_packed_boundaries_are_checked_once_per_forward_not_once_per_layer(make_model, monkeypatch):
-    from foxlm.kernels import interface
+    from foxlm.kernels.attention import attention as interface
 
     model = make_model()
     assert model.config.num_hidden_layers > 1

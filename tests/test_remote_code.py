@@ -3,12 +3,14 @@ tokenizer without it."""
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
-from foxlm.remote_code import flatten_imports
+from foxlm.remote_code import PACKAGE_DIR, REMOTE_CODE_MODULES, flatten_imports, write_remote_code
 
 LOAD_WITHOUT_FOXLM = """
 import sys
@@ -51,7 +53,7 @@ def test_saved_folder_loads_as_remote_code_without_foxlm(make_model, tmp_path):
     model = make_model()
     model.save_pretrained(tmp_path / "model")
     files = set(os.listdir(tmp_path / "model"))
-    assert {"configuration_fox.py", "modeling_fox.py", "interface.py", "reference.py"} <= files
+    assert {"configuration_fox.py", "modeling_fox.py", "attention.py", "attention_reference.py", "acp.py"} <= files
     ids = torch.randint(3, 97, (2, 7))
     torch.save(ids, tmp_path / "ids.pt")
     env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
@@ -82,8 +84,30 @@ def test_save_pretrained_can_leave_the_code_out(make_model, tmp_path):
 
 
 def test_flatten_imports_rewrites_package_relative_imports_only():
-    source = "from .kernels.interface import forgetting_attention\nfrom .reference import x\nimport torch\n"
-    assert flatten_imports(source) == "from .interface import forgetting_attention\nfrom .reference import x\nimport torch\n"
+    source = ("from .kernels.attention.attention import forgetting_attention\nfrom .attention_reference import x\n"
+              "from ..common import (LOG2E,\n    on_device_of)\n    from .attention_hopper import y  # in a function\n"
+              "from . import z\nimport torch\n")
+    assert flatten_imports(source) == (
+        "from .attention import forgetting_attention\nfrom .attention_reference import x\n"
+        "from .common import (LOG2E,\n    on_device_of)\n    from .attention_hopper import y  # in a function\n"
+        "from . import z\nimport torch\n")
+
+
+def test_remote_code_lists_every_module_the_model_imports_under_a_unique_name(tmp_path):
+    # transformers copies a module's relative imports found by this pattern, recursively, from the saved folder.
+    names = [Path(module).name for module in REMOTE_CODE_MODULES]
+    assert len(set(names)) == len(names)
+    written = {path.name for path in write_remote_code(tmp_path)}
+    needed, todo = set(), ["modeling_fox"]
+    while todo:
+        name = todo.pop()
+        if name not in needed:
+            needed.add(name)
+            source = (tmp_path / f"{name}.py").read_text()
+            assert not re.search(r"^\s*from\s+\.\.", source, flags=re.MULTILINE), name
+            todo += re.findall(r"^\s*from\s+\.(\S+)\s+import", source, flags=re.MULTILINE)
+    assert {f"{name}.py" for name in needed} == written
+    assert all((PACKAGE_DIR / module).exists() for module in REMOTE_CODE_MODULES)
 
 
 def test_push_to_hub_uploads_the_code_with_the_weights(make_model, tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from foxlm.kernels import forgetting_attention
-from foxlm.kernels.acp import DEFAULT_EPS, acp_statistics, measured_score_bound
+from foxlm.kernels.acp import DEFAULT_PRUNE_EPS, acp_statistics, measured_score_bound
 
 from .run_record import RESULTS_DIR, new_record, record_path, write_record
 
@@ -119,13 +119,13 @@ def acp_rows(D, T=16384, tokens=16384, hidden=2048):
     (q, k, v, _), grad_out = make(B, T, H, H, D)
     flops = causal_flops(B, H, T, D)
     given = measured_score_bound(q.detach(), k.detach(), D**-0.5)
-    entry = {"shape": f"ACP D{D} T{T // 1024}k", "B": B, "T": T, "Hq": H, "Hkv": H, "D": D, "eps": DEFAULT_EPS,
+    entry = {"shape": f"ACP D{D} T{T // 1024}k", "B": B, "T": T, "Hq": H, "Hkv": H, "D": D, "eps": DEFAULT_PRUNE_EPS,
              "results": [measure("sdpa-cudnn", sdpa(SDPBackend.CUDNN_ATTENTION), (q, k, v, None), grad_out, flops)]}
     open_gates = torch.zeros(B, T, H, device="cuda")
     for gates_name, gates in (("gate mix 70/30", gate_mix(B, T, H)), ("open gates", open_gates)):
         inputs = (q, k, v, gates.requires_grad_())
-        variants = (("no ACP", {}), ("ACP, U measured", {"prune_eps": DEFAULT_EPS}),
-                    ("ACP, U given", {"prune_eps": DEFAULT_EPS, "score_bound": given}))
+        variants = (("no ACP", {}), ("ACP, U measured", {"prune_eps": DEFAULT_PRUNE_EPS}),
+                    ("ACP, U given", {"prune_eps": DEFAULT_PRUNE_EPS, "score_bound": given}))
         for variant, kwargs in variants:
             result = measure(f"foxlm-triton {gates_name}, {variant}", ours, inputs, grad_out, flops, kwargs)
             if kwargs:
@@ -135,7 +135,7 @@ def acp_rows(D, T=16384, tokens=16384, hidden=2048):
                 with torch.no_grad():
                     exact = ours(*inputs)
                 result["max_abs_diff_vs_unpruned"] = (pruned_out.float() - exact.float()).abs().max().item()
-                result["acp_output_bound"] = 2 * DEFAULT_EPS * v.abs().max().item()
+                result["acp_output_bound"] = 2 * DEFAULT_PRUNE_EPS * v.abs().max().item()
             entry["results"].append(result)
     rows_print = [f"{r['impl']} {r['fwd_tflops']:.0f}/{r['fwd_bwd_tflops']:.0f}"
                   + (f" (pruned {r['pruned_fraction']:.2f})" if "pruned_fraction" in r else "")

@@ -1,5 +1,5 @@
 """Fused layer ops against their eager PyTorch references, forward+backward: QK-norm (per-head RMSNorm), the output
-norm with the output gate, and the K/V token shift (foxlm/kernels/layer_ops.py).
+norm with the output gate, and the K/V token shift (foxlm/kernels/layer_ops/).
 
 One GPU, the 760M FoX (Pro) shape: B*T = 32k tokens (2 x 16k), 24 heads x 64, bf16 activations and fp32 norm scales
 as under `Trainer(bf16=True)` autocast. Each op first has its output and every gradient checked against the

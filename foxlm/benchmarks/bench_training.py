@@ -36,7 +36,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from foxlm import FoxConfig, FoxForCausalLM
 from foxlm.compat import enable_activation_checkpointing
-from foxlm.kernels.acp import DEFAULT_EPS, acp_statistics
+from foxlm.kernels.acp import DEFAULT_PRUNE_EPS, acp_statistics
 
 from .run_record import RESULTS_DIR, new_record, record_path, write_record
 
@@ -72,7 +72,7 @@ def build_model(name, size, context, acp=False):
     if name == "llama-sdpa":
         return LlamaForCausalLM._from_config(LlamaConfig(intermediate_size=llama_mlp, **common),
                                              attn_implementation="sdpa")
-    acp_eps = DEFAULT_EPS if acp else None
+    acp_eps = DEFAULT_PRUNE_EPS if acp else None
     if name == "fox-llama":
         return FoxForCausalLM(FoxConfig.fox_llama(intermediate_size=llama_mlp, acp_eps=acp_eps, **common))
     if name == "fox-pro":

@@ -31,12 +31,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import CUDABackend, get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from foxlm.kernels import triton_attention as ta  # noqa: E402
+from foxlm.kernels import dispatch  # noqa: E402
+from foxlm.kernels.attention import attention_gate_scan, attention_triton, attention_tuning  # noqa: E402
 
-KERNELS = {  # name: (jit function, autotune table)
-    "fwd": (ta._fwd_kernel, ta._FWD_CONFIGS),
-    "dq": (ta._bwd_q_kernel, ta._BWD_Q_CONFIGS),
-    "dkdv": (ta._bwd_kv_kernel, ta._BWD_KV_CONFIGS),
+KERNELS = {  # name: (jit function, autotune table); `.fn` is the kernel inside its autotuner
+    "fwd": (attention_triton.fwd.fn, attention_tuning.FWD_CONFIGS),
+    "dq": (attention_triton.bwd_q.fn, attention_tuning.BWD_Q_CONFIGS),
+    "dkdv": (attention_triton.bwd_kv.fn, attention_tuning.BWD_KV_CONFIGS),
 }
 # Pointer arguments that are not bf16 (q, k, v, o and their gradients are).
 POINTER_DTYPES = {"C": torch.float64, "C_SEG": torch.float32, "LSE": torch.float32, "DELTA": torch.float32,
@@ -70,7 +71,7 @@ def launch_arguments(fn, head_dim, seqlen=16384, hidden=2048, group=1):
         elif name == "group":
             values[name] = group
         elif name == "tune_seqlen":
-            values[name] = ta._tune_seqlen(seqlen)
+            values[name] = attention_tuning.tune_seqlen(seqlen)
     return values
 
 
@@ -148,7 +149,8 @@ def main_loop(compiled):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90: H100/H200)")
-    parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128], choices=sorted(ta._FWD_CONFIGS))
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128],
+                        choices=sorted(attention_tuning.FWD_CONFIGS))
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     parser.add_argument("--prune", action="store_true", help="also the pruned (ACP) variant of every kernel")
     parser.add_argument("--first-only", action="store_true", help="only the first (default) configuration per list")
@@ -168,22 +170,22 @@ def main():
                 for prune in (False, True) if args.prune else (False,):
                     arguments = launch_arguments(fn, head_dim)
                     # dK/dV programs walk (sequence, KV head) pairs: with a group of 1 as many as the query heads'.
-                    arguments["head_group"] = ta._head_group(prune, 1, head_dim, arguments["num_heads"])
+                    arguments["head_group"] = attention_tuning.head_group(prune, 1, head_dim, arguments["num_heads"])
                     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, IS_VARLEN=args.layout == "packed",
                                       HAS_SEQ_START=args.layout == "padded",
-                                      DOT_PRECISION="tf32", PRUNE=prune, SEARCH_WIDTH=ta.SEARCH_WIDTH,
+                                      DOT_PRECISION="tf32", PRUNE=prune, SEARCH_WIDTH=attention_triton.SEARCH_WIDTH,
                                       **config.kwargs)
                     if "COUNT_PRUNED" in fn.arg_names:
                         constexprs["COUNT_PRUNED"] = False
-                    if "ORDERED" in fn.arg_names:  # as `_common` sets it: pruned rows in groups smaller than all
+                    if "ORDERED" in fn.arg_names:  # as `_launch_settings` sets it: pruned, rows in groups
                         constexprs["ORDERED"] = prune and arguments["head_group"] < arguments["num_heads"]
                     if "SEGMENT" in fn.arg_names:
-                        constexprs["SEGMENT"] = ta.SEGMENT
+                        constexprs["SEGMENT"] = attention_gate_scan.SEGMENT
                     if "USE_TMA" in fn.arg_names:
                         constexprs["USE_TMA"] = args.loads == "tma"
                     if "BIAS_TMA" in fn.arg_names:
-                        constexprs["BIAS_TMA"] = args.loads == "tma" and ta._dq_bias_tma(prune, head_dim,
-                                                                                          args.layout == "packed")
+                        constexprs["BIAS_TMA"] = args.loads == "tma" and dispatch.use_dq_bias_tma(
+                            prune, head_dim, args.layout == "packed")
                     compiled = compile_kernel(fn, constexprs, config.num_warps, config.num_stages, args.arch,
                                               arguments)
                     usage, loop = resource_usage(compiled), main_loop(compiled)

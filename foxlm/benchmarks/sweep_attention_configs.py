@@ -5,7 +5,8 @@ lists of the forward, dQ and dK/dV kernels are extended with the candidates belo
 `kernel_resources.py` first), one forward+backward autotunes them all, and each kernel's time per configuration is
 printed and written to benchmarks/results/config_sweep_<device>_<date-time>.json, beside the tuned forward+backward
 time and SDPA-cuDNN's; the winners are first checked against float64 (one head at the same length). The winners
-then belong first in the lists of foxlm/kernels/triton_attention.py (FOXLM_AUTOTUNE=0 takes the first alone).
+then belong first in the lists of foxlm/kernels/attention/attention_tuning.py (FOXLM_AUTOTUNE=0 takes the first
+alone).
 
     python benchmarks/sweep_attention_configs.py [--seqlens 16384 4096] [--out DIR]
 """
@@ -22,19 +23,20 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend  # noqa: E402
 
 from foxlm.kernels import forgetting_attention  # noqa: E402
-from foxlm.kernels import triton_attention as ta  # noqa: E402
+from foxlm.kernels.attention import attention_triton, attention_tuning  # noqa: E402
 
 from .bench_attention import accuracy, bench, causal_flops, make, sdpa  # noqa: E402
 from .run_record import RESULTS_DIR, new_record, record_path, write_record  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) beyond the autotune lists (those already listed are skipped).
 CANDIDATES = {
-    "fwd": (ta._fwd, ta._FWD_CONFIGS, {64: [(128, 64, 4, 4), (128, 64, 4, 2), (256, 64, 8, 3), (256, 64, 8, 2),
-                                            (256, 32, 8, 3)],
-                                        128: [(128, 64, 8, 3), (64, 128, 4, 3)]}),
-    "dq": (ta._bwd_q, ta._BWD_Q_CONFIGS, {64: [(128, 64, 4, 4), (128, 32, 4, 4), (128, 128, 8, 3), (256, 64, 8, 3)],
-                                          128: [(64, 64, 4, 3), (64, 128, 8, 2), (128, 32, 4, 4)]}),
-    "dkdv": (ta._bwd_kv, ta._BWD_KV_CONFIGS, {
+    "fwd": (attention_triton.fwd, attention_tuning.FWD_CONFIGS, {
+        64: [(128, 64, 4, 4), (128, 64, 4, 2), (256, 64, 8, 3), (256, 64, 8, 2), (256, 32, 8, 3)],
+        128: [(128, 64, 8, 3), (64, 128, 4, 3)]}),
+    "dq": (attention_triton.bwd_q, attention_tuning.BWD_Q_CONFIGS, {
+        64: [(128, 64, 4, 4), (128, 32, 4, 4), (128, 128, 8, 3), (256, 64, 8, 3)],
+        128: [(64, 64, 4, 3), (64, 128, 8, 2), (128, 32, 4, 4)]}),
+    "dkdv": (attention_triton.bwd_kv, attention_tuning.BWD_KV_CONFIGS, {
         64: [(32, 128, 4, 4), (32, 128, 4, 2), (32, 256, 8, 3), (16, 128, 4, 3), (32, 64, 4, 3)],
         128: [(32, 64, 4, 3), (32, 64, 4, 5), (16, 64, 4, 4), (32, 128, 8, 1), (32, 128, 8, 2)]}),
 }
@@ -56,7 +58,7 @@ def main():
     for _, table, extra in CANDIDATES.values():
         for head_dim, entries in extra.items():
             listed = {str(c) for c in table[head_dim]}
-            table[head_dim].extend(c for c in ta._configs(entries) if str(c) not in listed)
+            table[head_dim].extend(c for c in attention_tuning.launch_configs(entries) if str(c) not in listed)
     rows = []
     for D, T in ((D, T) for D in (64, 128) for T in args.seqlens):
         H, B = 2048 // D, max(1, 16384 // T)

@@ -17,6 +17,7 @@ from foxlm.kernels import acp
 from foxlm.kernels.acp import acp_statistics, max_square_norms, measured_score_bound
 
 pytest.importorskip("triton")
+from foxlm.kernels.attention.attention_gate_scan import triton_gate_cumsum  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 0.02
@@ -103,27 +104,28 @@ def test_open_gates_prune_nothing_and_match_the_unpruned_kernel_bit_for_bit():
 
 
 def test_pruned_launches_start_the_rows_with_the_most_work_and_give_the_same_results(monkeypatch):
-    ta = pytest.importorskip("foxlm.kernels.triton_attention")
+    from foxlm.kernels.attention import attention_launch
+
     torch.manual_seed(0)
-    B, T, H, D = 2, 96, 4, 128  # head dim above 64 without GQA: rows go in pairs, in this order (`_common`)
+    B, T, H, D = 2, 96, 4, 128  # head dim above 64 without GQA: rows go in pairs, in this order (`_launch_settings`)
     log_fgate = fast_and_slow_gates(B, T, H)  # heads 0, 2 forget fast, 1, 3 barely
     log_fgate[0, :, 1] = log_fgate[0, :, 0]
-    c, _ = ta.triton_gate_cumsum(log_fgate, False)
-    order = ta._row_order(c, torch.ones(B, H, device=DEVICE), math.log(EPS), None, None, T, T)
+    c, _ = triton_gate_cumsum(log_fgate, False)
+    order = acp.row_order(c, torch.ones(B, H, device=DEVICE), math.log(EPS), None, None, T, T)
     assert order.dtype == torch.int32
     assert order.tolist()[:3] == [3, 5, 7] and sorted(order.tolist()[3:]) == [0, 1, 2, 4, 6]  # ties: index order
     cu_seqlens = torch.tensor([0, 30, 30, 96], device=DEVICE, dtype=torch.int32)  # the second sequence is empty
-    c_packed, _ = ta.triton_gate_cumsum(log_fgate[:1], False, cu_seqlens)
-    order_packed = ta._row_order(c_packed, torch.ones(1, H, device=DEVICE), math.log(EPS), cu_seqlens, None, T, T)
+    c_packed, _ = triton_gate_cumsum(log_fgate[:1], False, cu_seqlens)
+    order_packed = acp.row_order(c_packed, torch.ones(1, H, device=DEVICE), math.log(EPS), cu_seqlens, None, T, T)
     # Sequence 0 is too short to prune, sequence 2 prunes its fast heads 0-2, the empty one has no work.
     assert order_packed.tolist() == [0, 1, 2, 3, 11, 8, 9, 10, 4, 5, 6, 7]
 
     q, k, v = (torch.randn(B, T, H, D, device=DEVICE) * 0.3 for _ in range(3))
     orders = []
-    monkeypatch.setattr(ta, "_row_order", lambda *args: orders.append(order) or order)
+    monkeypatch.setattr(attention_launch, "row_order", lambda *args: orders.append(order) or order)
     sorted_rows = run(q, k, v, log_fgate, prune_eps=EPS)
     index_order = torch.arange(B * H, dtype=torch.int32, device=DEVICE)
-    monkeypatch.setattr(ta, "_row_order", lambda *args: orders.append(index_order) or index_order)
+    monkeypatch.setattr(attention_launch, "row_order", lambda *args: orders.append(index_order) or index_order)
     index_rows = run(q, k, v, log_fgate, prune_eps=EPS)
     assert len(orders) == 4  # the forward and the backward of each call
     assert torch.equal(sorted_rows[0], index_rows[0])
@@ -134,7 +136,6 @@ def test_pruned_launches_start_the_rows_with_the_most_work_and_give_the_same_res
 def test_row_order_is_a_stable_descending_sort_of_the_rows_work_over_several_launch_blocks():
     # 3 x 100 rows: more than one program's block (128) and several chunks of the count; heads in pairs of equal
     # gates (ties), decay rates spread over classes, one left-padded sequence, one NaN bound, one NaN gate.
-    ta = pytest.importorskip("foxlm.kernels.triton_attention")
     torch.manual_seed(0)
     B, T, H = 3, 24, 100
     log_fgate = F.logsigmoid(torch.randn(B, T, H // 2, device=DEVICE) + torch.linspace(-9, 3, H // 2, device=DEVICE))
@@ -143,12 +144,12 @@ def test_row_order_is_a_stable_descending_sort_of_the_rows_work_over_several_lau
     bound = torch.rand(B, H, device=DEVICE)
     bound[2, 11] = float("nan")
     seq_start = torch.tensor([0, 9, 0], device=DEVICE, dtype=torch.int32)
-    c, _ = ta.triton_gate_cumsum(log_fgate, False, None, seq_start)
-    order = ta._row_order(c, bound, math.log(EPS), None, seq_start, T, T)
+    c, _ = triton_gate_cumsum(log_fgate, False, None, seq_start)
+    order = acp.row_order(c, bound, math.log(EPS), None, seq_start, T, T)
     # The classes as `_row_work` defines them, in float64 where the kernel has fp32 past the division.
     n_keys = (T - seq_start).double()[:, None]
-    threshold = (math.log(EPS) - 2 * bound.double() - n_keys.log()).nan_to_num(nan=-math.inf)
-    share = (2 * threshold / c[:, :, -1].clamp(max=-1e-30)).clamp(max=1.0)
+    acp_delta = (math.log(EPS) - 2 * bound.double() - n_keys.log()).nan_to_num(nan=-math.inf)
+    share = (2 * acp_delta / c[:, :, -1].clamp(max=-1e-30)).clamp(max=1.0)
     work = share.float().log2().floor().nan_to_num(nan=0.0).flatten()
     assert sorted(order.tolist()) == list(range(B * H))
     assert torch.equal(order.long(), torch.argsort(work, descending=True, stable=True))

@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from foxlm.kernels.decode import acp_threshold, forgetting_decode, forgetting_decode_reference
+from foxlm.kernels.acp import acp_threshold
+from foxlm.kernels.decode import forgetting_decode, forgetting_decode_reference
 
 pytest.importorskip("triton")
-from foxlm.kernels.triton_decode import triton_forgetting_decode  # noqa: E402
+from foxlm.kernels.decode.decode_triton import triton_forgetting_decode  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,6 +1,6 @@
 """Attention transfer on a real GPU: bf16 models on the Triton kernel, fp32 master weights for what is trained.
 
-Run on a CUDA machine: `python -m pytest tests/gpu -q` (skipped without CUDA).
+Run on a CUDA machine: `python -m pytest -m gpu tests -q` (marked `gpu`: skipped without CUDA).
 """
 
 import pytest
@@ -11,7 +11,7 @@ from foxlm import FoxForCausalLM
 from foxlm.conversion import convert_llama_to_fox, fox_from_llama, transfer_attention
 from foxlm.conversion.transfer import attention_errors
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 
 def test_a_bf16_llama_on_the_gpu_transfers_with_fp32_masters_and_stays_bf16():

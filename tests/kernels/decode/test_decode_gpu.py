@@ -1,6 +1,6 @@
 """The split-K decode kernel on a real GPU at real sizes, against float64 on the GPU, and inside generate().
 
-Run on a CUDA machine: `python -m pytest tests/gpu/test_decode_gpu.py -q` (skipped without CUDA).
+Run on a CUDA machine: `python -m pytest tests/kernels/decode/test_decode_gpu.py -q` (marked `gpu`).
 """
 
 import math
@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
-from foxlm.kernels.decode import acp_threshold, forgetting_decode
-from tests.kernels.test_decode import make_cache, naive_decode, rel_error
+from foxlm.kernels.acp import acp_threshold
+from foxlm.kernels.decode import forgetting_decode
+from tests.kernels.decode.test_decode import make_cache, naive_decode, rel_error
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 

@@ -1,5 +1,5 @@
 """Adaptive Computation Pruning on a real GPU, at real sizes: the pruned kernels against the unpruned ones, and a
-FoX (Pro) model's loss with ACP on and off. Run: `python -m pytest tests/gpu -q` (skipped without CUDA)."""
+FoX (Pro) model's loss with ACP on and off. Run: `python -m pytest -m gpu tests -q` (marked `gpu`)."""
 
 import math
 
@@ -11,7 +11,7 @@ from foxlm import FoxConfig, FoxForCausalLM
 from foxlm.kernels import forgetting_attention
 from foxlm.kernels.acp import acp_statistics, measured_score_bound
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 EPS = math.exp(-10)
 
 

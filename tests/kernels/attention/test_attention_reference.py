@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from foxlm.kernels import forgetting_attention, forgetting_attention_reference
-from foxlm.kernels import interface
-from foxlm.kernels import reference as reference_module
+from foxlm.kernels.attention import attention as attention_module
+from foxlm.kernels.attention import attention_reference as reference_module
 
 
 def naive_forgetting_attention(q, k, v, log_fgate):
@@ -170,8 +170,8 @@ def test_packed_boundaries_are_read_once_per_tensor_and_again_after_an_in_place_
     log_fgate = torch.zeros(1, 8, 2)
     cu_seqlens = torch.tensor([0, 3, 8], dtype=torch.int32)
     checks = []
-    check = interface.packed_sequence_lengths
-    monkeypatch.setattr(interface, "packed_sequence_lengths", lambda *args: checks.append(args) or check(*args))
+    check = attention_module.packed_sequence_lengths
+    monkeypatch.setattr(attention_module, "packed_sequence_lengths", lambda *args: checks.append(args) or check(*args))
     for max_seqlen in (None, 5, None):  # the layers of a model share one tensor: one read (a device sync on a GPU)
         forgetting_attention(q, k, v, log_fgate, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, backend="reference")
     assert len(checks) == 1

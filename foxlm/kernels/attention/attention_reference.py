@@ -1,9 +1,10 @@
-"""Pure-PyTorch Forgetting Attention: the exact, memory-bounded reference path.
+"""Pure-PyTorch Forgetting Attention: the exact, memory-bounded reference path, forward and backward.
 
-Runs on any device and dtype. It is the CPU implementation and the twin of the Triton kernel in tests. Queries
+Runs on any device and dtype. It is the CPU implementation and the twin of the Triton kernels in tests. Queries
 are processed in chunks, each chunk only against the keys it can see, so a long sequence never allocates a full
 T x T score matrix; under autograd every chunk is recomputed in the backward pass (activation checkpointing) so
-training memory stays bounded as well.
+training memory stays bounded as well. Inside the custom op (`attention.py`), where autograd does not run, the
+backward is written out (`attention_backward_reference`).
 """
 
 import math
@@ -118,3 +119,70 @@ def forgetting_attention_reference(
         for s, e in zip(bounds[:-1], bounds[1:])
     ]
     return torch.cat(pieces, dim=1).to(q.dtype)
+
+
+def fgate_cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start):
+    """c in float64, laid out (B, Hq, Tk) and contiguous, from the gate (log f, or c itself when `gate_is_cumsum`), for
+    the reference backward, which only reads it (the Triton path has `triton_gate_cumsum`)."""
+    if gate_is_cumsum:
+        return gate.transpose(1, 2).to(torch.float64, memory_format=torch.contiguous_format)
+    return fgate_cumsum_from_log_fgate(gate, cu_seqlens=cu_seqlens, seq_start=seq_start).transpose(1, 2).contiguous()
+
+
+def log_fgate_gradient_reference(dc, dtype, cu_seqlens, seq_start):
+    """d log f (B, Tk, Hq) in `dtype` from dL/dc laid out (B, Hq, Tk): the reverse cumsum `d log f_t = sum_{k>=t} dc_k`
+    within each sequence, summed directly in float64 (never `total - prefix` in fp32), zero before `seq_start`."""
+    suffix = dc.double().flip(-1).cumsum(-1).flip(-1)
+    if cu_seqlens is not None:
+        # Remove what lies beyond each token's own sequence (float64; ~0 anyway, every sequence's dc sums to 0).
+        _, end = packed_token_bounds(cu_seqlens, suffix.shape[-1])
+        suffix = suffix - torch.nn.functional.pad(suffix, (0, 1))[..., end]
+    if seq_start is not None:
+        positions = torch.arange(dc.shape[2], device=dc.device)
+        suffix = suffix.masked_fill(positions < seq_start[:, None, None], 0.0)
+    return suffix.transpose(1, 2).to(dtype)
+
+
+def attention_backward_reference(do, q, k, v, c, sm_scale, seq_start):
+    """Explicit gradients of the reference for one dense batch: (dq, dk, dv, dL/dc), query chunk by query chunk;
+    c and dL/dc laid out (B, Hq, Tk).
+
+    Written out rather than recomputed under autograd because autograd does not run inside a custom op's kernel.
+    """
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    group, offset = Hq // Hkv, Tk - Tq
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qg = q.to(dtype).view(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4)
+    dog = do.to(dtype).view(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4)
+    kg = k.to(dtype).permute(0, 2, 1, 3).unsqueeze(2)
+    vg = v.to(dtype).permute(0, 2, 1, 3).unsqueeze(2)
+    cg = c.view(B, Hkv, group, Tk)
+    key_valid = torch.ones(B, Tk, dtype=torch.bool, device=q.device)
+    if seq_start is not None:
+        key_valid = torch.arange(Tk, device=q.device)[None, :] >= seq_start[:, None]
+    dq = torch.zeros_like(qg)
+    dk = torch.zeros_like(kg)
+    dv = torch.zeros_like(vg)
+    dc = torch.zeros_like(cg)
+    chunk = max(1, 2**25 // max(1, B * Hq * Tk))
+    for start in range(0, Tq, chunk):
+        end = min(start + chunk, Tq)
+        n = offset + end
+        anchor = cg[..., offset + start : offset + start + 1]
+        bias = cg[..., offset + start : offset + end, None] - anchor[..., None]
+        bias = bias - (cg[..., None, :n] - anchor[..., None])
+        scores = torch.matmul(qg[:, :, :, start:end], kg[:, :, :, :n].transpose(-1, -2)) * sm_scale + bias.to(dtype)
+        causal = torch.arange(n, device=q.device)[None, :] <= torch.arange(offset + start, n, device=q.device)[:, None]
+        scores = scores.masked_fill(~(causal[None, None, None] & key_valid[:, None, None, None, :n]), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        do_chunk = dog[:, :, :, start:end]
+        dp = torch.matmul(do_chunk, vg[:, :, :, :n].transpose(-1, -2))
+        ds = probs * (dp - (probs * dp).sum(-1, keepdim=True))
+        dv[:, :, :, :n] += torch.matmul(probs.transpose(-1, -2), do_chunk).sum(2, keepdim=True)
+        dq[:, :, :, start:end] = torch.matmul(ds, kg[:, :, :, :n]) * sm_scale
+        dk[:, :, :, :n] += torch.matmul(ds.transpose(-1, -2), qg[:, :, :, start:end]).sum(2, keepdim=True) * sm_scale
+        dc[..., :n] -= ds.sum(-2).to(dc.dtype)
+        dc[..., offset + start : offset + end] += ds.sum(-1).to(dc.dtype)
+    return (dq.permute(0, 3, 1, 2, 4).reshape(q.shape).to(q.dtype), dk.squeeze(2).transpose(1, 2).to(k.dtype),
+            dv.squeeze(2).transpose(1, 2).to(v.dtype), dc.reshape(B, Hq, Tk))

@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from ..common import LOG2E
+
 _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy: jitted code reads only constexpr globals
-MAX_DECODE_QUERIES = 16
 
 
 @triton.jit
@@ -45,8 +45,9 @@ def _attend_block(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_n, offs_d, 
 
 
 # `num_splits` grows with the cache until it saturates: not specialising on it saves compiled variants (a compile
-# stalls its step by a fraction of a second). `n_keys` and the gate strides stay specialised (divisibility by 16):
-# a build without it measured 5-14% less bandwidth at head dim 64 (the masks and c loads lose their alignment).
+# stalls its step). `n_keys` and the gate strides stay specialised (divisibility by 16): a build without it had less
+# bandwidth at head dim 64, the masks and c loads losing their alignment (benchmarks/NOTES_attention.md, "Figures
+# from the kernel sources").
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     Q, K, V, C, SEQ_START, DELTA, PART_O, PART_LSE,
@@ -147,7 +148,7 @@ def _num_splits(batch_kv_heads, n_keys, block_n, device):
 
 def triton_forgetting_decode(q, k, v, fgate_cumsum, sm_scale, seq_start=None, acp_delta=None, *, block_n=None,
                              num_splits=None):
-    """Decode attention; arguments as `foxlm.kernels.decode.forgetting_decode` (validated there).
+    """Decode attention; arguments as `forgetting_decode` (`decode.py`, validated there).
 
     q (B, Tq, Hq, D), k/v (B, Tk, Hkv, D) with unit stride along D, fgate_cumsum (B, Tk, Hq) fp32 (any strides:
     the cache's (B, Hq, Tk) tensor transposed is read in place), acp_delta (B, Hq) fp32 or None.

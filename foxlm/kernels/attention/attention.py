@@ -1,12 +1,12 @@
 """`forgetting_attention`: the one entry point through which every FoX layer computes attention.
 
-It validates the arguments once and dispatches: the Triton kernel for CUDA tensors, the pure-PyTorch
-reference otherwise (or when asked for with `backend="reference"`). Both run inside one torch custom op,
-`torch.ops.foxlm.forgetting_attention`, with a registered fake (meta) implementation and autograd formula, so
-`torch.compile(fullgraph=True)` sees a single op and no graph break; its backward is a second custom op.
+It validates the arguments once and dispatches (`dispatch.runs_on_triton`): the Triton kernels for CUDA tensors
+(`attention_launch.py`), the pure-PyTorch reference otherwise (`attention_reference.py`), or what `backend` forces.
+Both run inside one torch custom op, `torch.ops.foxlm.forgetting_attention`, with a registered fake (meta)
+implementation and autograd formula, so `torch.compile(fullgraph=True)` sees a single op and no graph break; its
+backward is a second custom op.
 """
 
-import contextlib
 import logging
 import math
 import weakref
@@ -14,49 +14,25 @@ from typing import Optional
 
 import torch
 
-from .acp import measured_score_bound, record_pruned_counts, recording_pruned_counts
-from .reference import fgate_cumsum_from_log_fgate, forgetting_attention_reference, packed_token_bounds
+from ..acp import measured_score_bound, record_pruned_counts, recording_pruned_counts
+from ..common import on_device_of
+from ..dispatch import runs_on_triton
+from .attention_reference import (attention_backward_reference, fgate_cumsum_float64,
+                                  forgetting_attention_reference, log_fgate_gradient_reference)
 
 try:
-    from .triton_attention import (triton_attention_backward, triton_attention_forward, triton_gate_cumsum,
-                                   triton_gate_gradient)
+    from .attention_gate_scan import triton_gate_cumsum, triton_gate_gradient
+    from .attention_launch import triton_attention_backward, triton_attention_forward
 except ImportError:  # no Triton (CPU-only torch builds, remote code on such machines)
     triton_attention_forward = triton_attention_backward = triton_gate_cumsum = triton_gate_gradient = None
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "triton", "reference")
-MAX_TRITON_HEAD_DIM = 256
 _warned_reference_on_gpu = False
 # The packed-sequence boundaries checked last, as (weak reference, tensor version, packed length, longest sequence):
 # every layer of a forward passes the same tensor, and reading its values is a device-to-host copy (a sync), so it
 # is read once.
 _checked_cu_seqlens = (None, -1, -1, 0)
-
-
-def runs_on_triton(backend, x, has_triton, what="the Triton kernel", max_head_dim=MAX_TRITON_HEAD_DIM):
-    """Whether `backend` ("auto", "triton", "reference") runs `x` (..., head_dim) on Triton: "auto" does for CUDA
-    tensors of fp16/bf16/fp32 with head_dim <= `max_head_dim` (None: any) when Triton imports (`has_triton`). A forced
-    "triton" that cannot run raises; float64 has no tensor-core path and larger head dims no kernel configuration."""
-    if backend not in BACKENDS:
-        raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}.")
-    fits = x.dtype in (torch.float16, torch.bfloat16, torch.float32) and (
-        max_head_dim is None or x.shape[-1] <= max_head_dim)
-    if backend == "triton":
-        if not has_triton:
-            raise RuntimeError("backend='triton' was requested but Triton is not installed.")
-        if not fits:
-            limit = "" if max_head_dim is None else f" and head_dim <= {max_head_dim}"
-            raise ValueError(f"{what} takes float16/bfloat16/float32{limit}, got {x.dtype} and head_dim "
-                             f"{x.shape[-1]}; use backend='reference'.")
-        return True
-    return backend == "auto" and x.is_cuda and has_triton and fits
-
-
-def on_device_of(x):
-    """Makes x's GPU the current device for a kernel launch: Triton launches on the current device, which is not
-    x's when a model is spread over several GPUs (`device_map="auto"`)."""
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 def _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start):
@@ -173,8 +149,9 @@ def forgetting_attention(
         backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
         prune_eps: Adaptive Computation Pruning tolerance in (0, 1) (fox-reference.md §5): the Triton kernels skip
             tiles whose decay proves their attention weight negligible, so that each query loses at most `prune_eps`
-            of its attention mass (output error <= 2 * prune_eps * max|v|). Needs log f <= 0. The reference backend
-            computes everything (exact). Read what was skipped with `foxlm.kernels.acp.acp_statistics()`.
+            of its attention mass (output error <= 2 * prune_eps * max|v|; `foxlm.kernels.acp`). Needs log f <= 0. The
+            reference backend computes everything (exact). Read what was skipped with
+            `foxlm.kernels.acp.acp_statistics()`.
         score_bound: U >= |sm_scale * q_i.k_j| for every pair, a float or a float tensor broadcastable to
             (batch, query_heads), e.g. from QK-norm scales; default: measured from the largest norms of q and k.
 
@@ -217,77 +194,17 @@ def forgetting_attention(
 # The custom ops. `gate` is log f, or c itself when `gate_is_cumsum`; gradients flow to whichever was given.
 
 
-def _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start):
-    """c in float64, laid out (B, Hq, Tk) and contiguous, for the reference backward, which only reads it (the Triton
-    path has `triton_gate_cumsum`)."""
-    if gate_is_cumsum:
-        return gate.transpose(1, 2).to(torch.float64, memory_format=torch.contiguous_format)
-    return fgate_cumsum_from_log_fgate(gate, cu_seqlens=cu_seqlens, seq_start=seq_start).transpose(1, 2).contiguous()
-
-
 def _gate_gradient(dc, gate, gate_is_cumsum, cu_seqlens, seq_start, use_triton):
     """dL/d(gate), (B, Tk, Hq) in the gate's dtype, from dL/dc laid out (B, Hq, Tk): dc itself, or for log f the
     reverse cumsum `d log f_t = sum_{k>=t} dc_k` within each sequence, summed directly in float64 (never
-    `total - prefix` in fp32): Triton scan launches on the Triton path (`triton_gate_gradient`), torch ops otherwise.
+    `total - prefix` in fp32): Triton scan launches on the Triton path (`triton_gate_gradient`), torch ops otherwise
+    (`log_fgate_gradient_reference`).
     """
     if gate_is_cumsum:
         return dc.transpose(1, 2).to(gate.dtype)
     if use_triton:
         return triton_gate_gradient(dc, gate.dtype, cu_seqlens, seq_start)
-    suffix = dc.double().flip(-1).cumsum(-1).flip(-1)
-    if cu_seqlens is not None:
-        # Remove what lies beyond each token's own sequence (float64; ~0 anyway, every sequence's dc sums to 0).
-        _, end = packed_token_bounds(cu_seqlens, suffix.shape[-1])
-        suffix = suffix - torch.nn.functional.pad(suffix, (0, 1))[..., end]
-    if seq_start is not None:
-        positions = torch.arange(dc.shape[2], device=dc.device)
-        suffix = suffix.masked_fill(positions < seq_start[:, None, None], 0.0)
-    return suffix.transpose(1, 2).to(gate.dtype)
-
-
-def _reference_backward(do, q, k, v, c, sm_scale, seq_start):
-    """Explicit gradients of the reference for one dense batch: (dq, dk, dv, dL/dc), query chunk by query chunk;
-    c and dL/dc laid out (B, Hq, Tk).
-
-    Written out rather than recomputed under autograd because autograd does not run inside a custom op's kernel.
-    """
-    B, Tq, Hq, D = q.shape
-    Tk, Hkv = k.shape[1], k.shape[2]
-    group, offset = Hq // Hkv, Tk - Tq
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qg = q.to(dtype).view(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4)
-    dog = do.to(dtype).view(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4)
-    kg = k.to(dtype).permute(0, 2, 1, 3).unsqueeze(2)
-    vg = v.to(dtype).permute(0, 2, 1, 3).unsqueeze(2)
-    cg = c.view(B, Hkv, group, Tk)
-    key_valid = torch.ones(B, Tk, dtype=torch.bool, device=q.device)
-    if seq_start is not None:
-        key_valid = torch.arange(Tk, device=q.device)[None, :] >= seq_start[:, None]
-    dq = torch.zeros_like(qg)
-    dk = torch.zeros_like(kg)
-    dv = torch.zeros_like(vg)
-    dc = torch.zeros_like(cg)
-    chunk = max(1, 2**25 // max(1, B * Hq * Tk))
-    for start in range(0, Tq, chunk):
-        end = min(start + chunk, Tq)
-        n = offset + end
-        anchor = cg[..., offset + start : offset + start + 1]
-        bias = cg[..., offset + start : offset + end, None] - anchor[..., None]
-        bias = bias - (cg[..., None, :n] - anchor[..., None])
-        scores = torch.matmul(qg[:, :, :, start:end], kg[:, :, :, :n].transpose(-1, -2)) * sm_scale + bias.to(dtype)
-        causal = torch.arange(n, device=q.device)[None, :] <= torch.arange(offset + start, n, device=q.device)[:, None]
-        scores = scores.masked_fill(~(causal[None, None, None] & key_valid[:, None, None, None, :n]), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-        do_chunk = dog[:, :, :, start:end]
-        dp = torch.matmul(do_chunk, vg[:, :, :, :n].transpose(-1, -2))
-        ds = probs * (dp - (probs * dp).sum(-1, keepdim=True))
-        dv[:, :, :, :n] += torch.matmul(probs.transpose(-1, -2), do_chunk).sum(2, keepdim=True)
-        dq[:, :, :, start:end] = torch.matmul(ds, kg[:, :, :, :n]) * sm_scale
-        dk[:, :, :, :n] += torch.matmul(ds.transpose(-1, -2), qg[:, :, :, start:end]).sum(2, keepdim=True) * sm_scale
-        dc[..., :n] -= ds.sum(-2).to(dc.dtype)
-        dc[..., offset + start : offset + end] += ds.sum(-1).to(dc.dtype)
-    return (dq.permute(0, 3, 1, 2, 4).reshape(q.shape).to(q.dtype), dk.squeeze(2).transpose(1, 2).to(k.dtype),
-            dv.squeeze(2).transpose(1, 2).to(v.dtype), dc.reshape(B, Hq, Tk))
+    return log_fgate_gradient_reference(dc, gate.dtype, cu_seqlens, seq_start)
 
 
 @torch.library.custom_op("foxlm::forgetting_attention", mutates_args=())
@@ -341,13 +258,13 @@ def _forgetting_attention_backward_op(
                                                        max_seqlen, seq_start, prune_eps, score_bound)
             dgate = _gate_gradient(dc, gate, gate_is_cumsum, cu_seqlens, seq_start, True)
     else:  # the reference path returns no c from the forward
-        c = _cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
+        c = fgate_cumsum_float64(gate, gate_is_cumsum, cu_seqlens, seq_start)
         if cu_seqlens is None:
-            dq, dk, dv, dc = _reference_backward(do, q, k, v, c, sm_scale, seq_start)
+            dq, dk, dv, dc = attention_backward_reference(do, q, k, v, c, sm_scale, seq_start)
         else:
             bounds = cu_seqlens.tolist()
-            pieces = [_reference_backward(do[:, s:e], q[:, s:e], k[:, s:e], v[:, s:e], c[..., s:e], sm_scale, None)
-                      for s, e in zip(bounds[:-1], bounds[1:])]
+            pieces = [attention_backward_reference(do[:, s:e], q[:, s:e], k[:, s:e], v[:, s:e], c[..., s:e], sm_scale,
+                                                   None) for s, e in zip(bounds[:-1], bounds[1:])]
             dq, dk, dv, dc = (torch.cat(parts, dim=dim) for parts, dim in zip(zip(*pieces), (1, 1, 1, 2)))
         dgate = _gate_gradient(dc, gate, gate_is_cumsum, cu_seqlens, seq_start, False)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dgate.contiguous()

@@ -1,27 +1,31 @@
 """The Hopper Gluon kernels (forward, dK/dV) against the Triton kernels and the float64 reference, on an sm_90 GPU.
 
-Run on an H100/H200: `python -m pytest tests/gpu/test_gluon_attention_gpu.py -q -s` (skipped elsewhere). Fresh random
-inputs every call; the caching allocator is filled with NaN before every kernel call, so an output element the
-kernels fail to write shows up as NaN.
+Run on an H100/H200: `python -m pytest tests/kernels/attention/test_attention_hopper_gpu.py -q -s` (marked `gpu`;
+skipped elsewhere). Fresh random inputs every call; the caching allocator is filled with NaN before every kernel call,
+so an output element the kernels fail to write shows up as NaN.
 """
 
 import math
-import os
 
-os.environ.setdefault("FOXLM_AUTOTUNE", "0")
+import pytest
+import torch
+import torch.nn.functional as F
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from foxlm.kernels import forgetting_attention  # noqa: E402
-from foxlm.kernels.acp import acp_statistics  # noqa: E402
-from foxlm.kernels import triton_attention as ta  # noqa: E402
+from foxlm.kernels import dispatch, forgetting_attention
+from foxlm.kernels.acp import acp_statistics
 
 hopper = (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0))
-pytestmark = pytest.mark.skipif(not hopper, reason="needs a Hopper GPU (sm_90)")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not hopper, reason="needs a Hopper GPU (sm_90)")]
 if hopper:
-    from foxlm.kernels import gluon_attention
+    from foxlm.kernels.attention.attention_gate_scan import triton_gate_cumsum
+    from foxlm.kernels.attention.attention_launch import _runs_on_hopper
+
+
+@pytest.fixture(autouse=True)
+def one_launch_configuration(monkeypatch):
+    """The first (tuned) launch configuration of each kernel, as FOXLM_AUTOTUNE=0 takes it: keeps compile time in
+    budget."""
+    monkeypatch.setattr(dispatch, "AUTOTUNE", False)
 
 
 def poison_allocator(nbytes=2**31):
@@ -37,7 +41,7 @@ def make_inputs(B, T, H, gate=(2.0, 2.0), Hkv=None, D=128):
 
 
 def run(inputs, grad_out, gluon, backend="triton", **kwargs):
-    gluon_attention.ENABLED = gluon
+    dispatch.HOPPER_KERNELS = gluon
     try:
         leaves = [t.detach().clone().requires_grad_() for t in inputs]
         poison_allocator()
@@ -46,7 +50,7 @@ def run(inputs, grad_out, gluon, backend="triton", **kwargs):
         out.backward(grad_out.to(out.dtype))
         return [out] + [t.grad for t in leaves]
     finally:
-        gluon_attention.ENABLED = True
+        dispatch.HOPPER_KERNELS = True
 
 
 def relative(x, ref):
@@ -83,8 +87,7 @@ def compare(inputs, reference_too=True, **kwargs):
 ])
 def test_matches_triton_kernels_and_float64(B, T, H, gate):
     inputs = make_inputs(B, T, H, gate)
-    assert ta._hopper_kernels(inputs[0], inputs[1], *ta.triton_gate_cumsum(inputs[3], False), None, None) \
-        is gluon_attention
+    assert _runs_on_hopper(inputs[0], inputs[1], *triton_gate_cumsum(inputs[3], False), None, None)
     errors = compare(inputs)
     assert errors["out"] < 1e-2 and errors["dv"] < 1e-2
 
@@ -100,10 +103,10 @@ def test_pruned_launches_match_pruned_triton_kernels():
     assert max(errors.values()) < 2e-2, errors
     fractions = []
     for gluon in (True, False):
-        gluon_attention.ENABLED = gluon
+        dispatch.HOPPER_KERNELS = gluon
         with torch.no_grad(), acp_statistics() as stats:
             forgetting_attention(q, k, v, log_f, backend="triton", prune_eps=math.exp(-10), score_bound=bound)
-        gluon_attention.ENABLED = True
+        dispatch.HOPPER_KERNELS = True
         fractions.append(stats.pruned_fraction)
     assert fractions[0] == fractions[1] > 0.5, fractions
 
@@ -118,16 +121,16 @@ def test_strided_inputs_from_a_fused_projection():
 
 def test_other_shapes_keep_the_triton_kernels():
     q, k, v, log_f = make_inputs(1, 256, 4, Hkv=2)  # GQA
-    c, key_bias = ta.triton_gate_cumsum(log_f, False)
-    assert ta._hopper_kernels(q, k, c, key_bias, None, None) is None
+    c, key_bias = triton_gate_cumsum(log_f, False)
+    assert not _runs_on_hopper(q, k, c, key_bias, None, None)
     q, k, v, log_f = make_inputs(1, 200, 4)  # not a multiple of 128
-    c, key_bias = ta.triton_gate_cumsum(log_f, False)
-    assert ta._hopper_kernels(q, k, c, key_bias, None, None) is None
+    c, key_bias = triton_gate_cumsum(log_f, False)
+    assert not _runs_on_hopper(q, k, c, key_bias, None, None)
     q, k, v, log_f = make_inputs(1, 256, 4, D=64)
-    c, key_bias = ta.triton_gate_cumsum(log_f, False)
-    assert ta._hopper_kernels(q, k, c, key_bias, None, None) is None
+    c, key_bias = triton_gate_cumsum(log_f, False)
+    assert not _runs_on_hopper(q, k, c, key_bias, None, None)
     q, k, v, log_f = make_inputs(1, 256, 4)
-    c, key_bias = ta.triton_gate_cumsum(log_f, False)
+    c, key_bias = triton_gate_cumsum(log_f, False)
     cu = torch.tensor([0, 128, 256], device="cuda", dtype=torch.int32)
-    assert ta._hopper_kernels(q, k, c, key_bias, cu, None) is None  # packed
-    assert ta._hopper_kernels(q, k, c, key_bias, None, None) is gluon_attention
+    assert not _runs_on_hopper(q, k, c, key_bias, cu, None)  # packed
+    assert _runs_on_hopper(q, k, c, key_bias, None, None)

@@ -1,7 +1,7 @@
 """The fused layer ops compiled for a real GPU (not the interpreter): outputs and every gradient against the
 reference in float64, at sizes that span many programs, with fp32 scales on bf16 activations as under autocast.
 
-Run on a CUDA machine: `python -m pytest tests/gpu -q` (skipped without CUDA).
+Run on a CUDA machine: `python -m pytest -m gpu tests -q` (marked `gpu`: skipped without CUDA).
 """
 
 import pytest
@@ -9,7 +9,7 @@ import torch
 
 from foxlm.kernels.layer_ops import head_rms_norm, head_rms_norm_reference, token_shift, token_shift_reference
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 
 def outputs_and_grads(fn, inputs, grad_out):

@@ -1,24 +1,26 @@
 """The Triton Forgetting Attention kernel on a real GPU, at real sizes, against a float64 reference on the GPU.
 
-Run on a CUDA machine: `python -m pytest tests/gpu/test_triton_attention_gpu.py -q -s` (skipped without CUDA).
+Run on a CUDA machine: `python -m pytest tests/kernels/attention/test_attention_triton_gpu.py -q -s` (marked `gpu`).
 Fresh random inputs every call; the caching allocator is filled with NaN before every kernel call, so any output
 element the kernels fail to write shows up as NaN. bf16 errors ||x - ref|| / ||ref|| land around 1e-3..1e-2.
 """
 
 import math
-import os
 
-# One launch configuration per kernel (the first, tuned one) instead of autotuning every shape: keeps compile time
-# of this file in budget. The benchmark autotunes.
-os.environ.setdefault("FOXLM_AUTOTUNE", "0")
+import pytest
+import torch
+import torch.nn.functional as F
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from foxlm.kernels import dispatch, forgetting_attention
 
-from foxlm.kernels import forgetting_attention  # noqa: E402
+pytestmark = pytest.mark.gpu
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+@pytest.fixture(autouse=True)
+def one_launch_configuration(monkeypatch):
+    """One launch configuration per kernel (the first, tuned one, as FOXLM_AUTOTUNE=0 takes it) instead of
+    autotuning every shape: keeps compile time of this file in budget. The benchmark autotunes."""
+    monkeypatch.setattr(dispatch, "AUTOTUNE", False)
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 
@@ -108,8 +110,9 @@ def test_left_padding():
 def test_gate_scans_match_torch_at_real_lengths(layout):
     # The scan launches work in 1024-position chunks: 70k positions cross chunks, 128-position segments and,
     # packed, sequences that start anywhere in a chunk. NaN-filled memory shows any position left unwritten.
-    from foxlm.kernels import triton_attention as ta
-    from foxlm.kernels.interface import _cumsum_float64, _gate_gradient
+    from foxlm.kernels.attention.attention import _gate_gradient
+    from foxlm.kernels.attention.attention_gate_scan import SEGMENT, triton_gate_cumsum
+    from foxlm.kernels.attention.attention_reference import fgate_cumsum_float64
 
     packed = layout == "packed"
     lengths = [1, 5000, 2048, 129, 40000, 1, 22822] if packed else [70001]
@@ -117,15 +120,15 @@ def test_gate_scans_match_torch_at_real_lengths(layout):
     cu_seqlens = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32) if packed else None
     seq_start = torch.tensor([0, 777, 69999], device="cuda") if layout == "left padding" else None
     log_fgate = F.logsigmoid(torch.randn(B, T, H, device="cuda") * 4 - 2)
-    c_want = _cumsum_float64(log_fgate, False, cu_seqlens, seq_start)
+    c_want = fgate_cumsum_float64(log_fgate, False, cu_seqlens, seq_start)
     given = layout == "cumsum given"
     gate = c_want.transpose(1, 2).float() if given else log_fgate
     if given:
         c_want = gate.transpose(1, 2).double()
     poison_allocator()
-    c, key_bias = ta.triton_gate_cumsum(gate, given, cu_seqlens, seq_start)
+    c, key_bias = triton_gate_cumsum(gate, given, cu_seqlens, seq_start)
     torch.testing.assert_close(c, c_want, rtol=1e-12, atol=1e-9)
-    starts = torch.cat([torch.arange(s, e, device="cuda") - (torch.arange(s, e, device="cuda") - s) % ta.SEGMENT
+    starts = torch.cat([torch.arange(s, e, device="cuda") - (torch.arange(s, e, device="cuda") - s) % SEGMENT
                         for s, e in zip([0] + list(torch.tensor(lengths).cumsum(0)[:-1].tolist()),
                                         torch.tensor(lengths).cumsum(0).tolist())])
     key_want = ((c_want - c_want[..., starts]) * math.log2(math.e)).float()

@@ -1,26 +1,25 @@
-"""`forgetting_decode`: Forgetting Attention of a few new query tokens against a KV cache, and its ACP threshold.
+"""`forgetting_decode`: Forgetting Attention of a few new query tokens against a KV cache.
 
-The Triton split-K kernel (`triton_decode.py`) runs on CUDA tensors; the pure-PyTorch reference below runs
-everywhere else and is the kernel's twin in tests. Same argument order and layout as `forgetting_attention`, except
-that the gate is always the cache's running sum `c` (a decode step never recomputes a cumulative sum).
+The Triton split-K kernel (`decode_triton.py`) runs on CUDA tensors; the pure-PyTorch reference
+(`decode_reference.py`) runs everywhere else and is the kernel's twin in tests (`dispatch.runs_on_triton` chooses). Same
+argument order and layout as `forgetting_attention`, except that the gate is always the cache's running sum `c` (a
+decode step never recomputes a cumulative sum).
 """
 
 import math
 
 import torch
 
-from .interface import on_device_of, runs_on_triton
+from ..common import on_device_of
+from ..dispatch import runs_on_triton
+from .decode_reference import forgetting_decode_reference
 
 try:
-    from .triton_decode import MAX_DECODE_QUERIES, triton_forgetting_decode
+    from .decode_triton import triton_forgetting_decode
 except ImportError:  # no Triton (CPU-only torch builds, remote code on such machines)
-    MAX_DECODE_QUERIES, triton_forgetting_decode = 16, None
+    triton_forgetting_decode = None
 
-
-def acp_threshold(u_bound, n_keys, eps):
-    """ACP's `delta = -2U - log L + log eps` (fox-reference.md §5): keys with `c_q - c_k < delta` carry at most eps
-    of the attention mass of query q together, when `U >= |sm_scale q.k|` for every key and L keys exist."""
-    return -2.0 * u_bound - math.log(max(n_keys, 1)) + math.log(eps)
+MAX_DECODE_QUERIES = 16  # new tokens per decode call; longer chunks go through `forgetting_attention`
 
 
 def _check_inputs(q, k, v, fgate_cumsum, seq_start, acp_delta):
@@ -47,28 +46,6 @@ def _check_inputs(q, k, v, fgate_cumsum, seq_start, acp_delta):
                          f"{tuple(acp_delta.shape)}.")
 
 
-def forgetting_decode_reference(q, k, v, fgate_cumsum, *, sm_scale=None, seq_start=None, acp_delta=None):
-    """Pure-PyTorch twin of the decode kernel (float64 for float64 inputs, else float32)."""
-    B, Tq, Hq, D = q.shape
-    Tk, Hkv = k.shape[1], k.shape[2]
-    group = Hq // Hkv
-    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qg = q.to(dtype).view(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4)  # (B, Hkv, G, Tq, D)
-    kg, vg = (t.to(dtype).permute(0, 2, 1, 3).unsqueeze(2) for t in (k, v))  # (B, Hkv, 1, Tk, D)
-    c = fgate_cumsum.transpose(1, 2).view(B, Hkv, group, Tk)
-    bias = (c[..., Tk - Tq :, None] - c[..., None, :]).to(dtype)  # (B, Hkv, G, Tq, Tk)
-    keys = torch.arange(Tk, device=q.device)
-    visible = (keys[None, :] <= keys[Tk - Tq :, None]).expand(B, Hkv, group, Tq, Tk)
-    if seq_start is not None:
-        visible = visible & (keys >= seq_start[:, None, None, None, None])
-    if acp_delta is not None:
-        visible = visible & (bias >= acp_delta.view(B, Hkv, group, 1, 1))
-    scores = (torch.matmul(qg, kg.transpose(-1, -2)) * sm_scale + bias).masked_fill(~visible, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1).nan_to_num(0.0), vg)
-    return out.permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq, D).to(q.dtype)
-
-
 def forgetting_decode(q, k, v, fgate_cumsum, *, sm_scale=None, seq_start=None, acp_delta=None, backend="auto"):
     """Forgetting Attention of the last `q_len` (1 to 16) tokens against all `k_len` cached keys, themselves included.
 
@@ -80,8 +57,8 @@ def forgetting_decode(q, k, v, fgate_cumsum, *, sm_scale=None, seq_start=None, a
         fgate_cumsum: (batch, k_len, query_heads) float32, the running sum `c` of log f as the cache keeps it.
         sm_scale: multiplies q.k only (default 1/sqrt(head_dim)).
         seq_start: (batch,) int, left padding: keys before `seq_start[b]` are ignored.
-        acp_delta: (batch, query_heads) float32 ACP threshold (`acp_threshold`): keys with `c_q - c_k < delta`
-            are skipped (whole blocks of them are never read by the kernel). None: no pruning.
+        acp_delta: (batch, query_heads) float32 ACP threshold (`foxlm.kernels.acp.acp_threshold`): keys with
+            `c_q - c_k < acp_delta` are skipped (whole blocks of them are never read by the kernel). None: no pruning.
         backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
 
     Returns:

@@ -1,14 +1,13 @@
 """Forgetting Attention forward and dK/dV pass for Hopper GPUs (sm_90), written in Gluon (Triton's lower-level
 language), with FlashAttention-3's warp specialization.
 
-`triton_attention.py` calls these kernels where they apply (`eligible`) and its Triton kernels everywhere else (the
-dQ pass is always Triton's); `FOXLM_GLUON=0` turns them off. The math is the Triton kernels': scores in the log2
-domain, key biases in two parts (fp32 within a 128-position segment plus one float64 shift per block), the same
-pruning rule, searches and pruned-fraction counts, the same order of programs (heaviest blocks first). On an H100 at
-B1 x 16 heads x 16k, D128 (`benchmarks/NOTES_attention.md`, sections of 2026-11-24): forward 1.79-1.92 ms against
-2.78-2.96 for the Triton forward (cuDNN's kernel: 1.74), dK/dV 3.90-4.17 against 4.94-5.57 (kernel times,
-profiler); the ACP gate mix 3.45-3.52 ms = 2.03-2.07x cuDNN (H100, H200). A Gluon dQ pass of an earlier design was
-slower than the Triton one (3.6 against 2.9-3.2 ms) and is not used.
+`attention_launch.py` calls these kernels where `dispatch.runs_on_hopper` picks them and the Triton kernels everywhere
+else (the dQ pass is always Triton's); `FOXLM_GLUON=0` turns them off. The math is the Triton kernels': scores in the
+log2 domain, key biases in two parts (fp32 within a 128-position segment plus one float64 shift per block), the same
+pruning rule (`acp.compute_acp_delta`), searches and pruned-fraction counts, the same order of programs (heaviest
+blocks first). They are faster than the Triton forward and dK/dV pass on an H100 at D128; a Gluon dQ pass of an
+earlier design was slower than the Triton one and is not used (figures: `benchmarks/NOTES_attention.md`, sections
+of 2026-11-24, and "Figures from the kernel sources").
 
 Forward: one program per 128 query rows; two consumer warpgroups (64 rows each, each its own partition) take turns
 on the tensor cores, one's softmax under the other's matrix products (the turn passes through two mbarriers), and a
@@ -19,11 +18,9 @@ through a two-slot TMA ring, S^T and dP^T issued together, P^T and dS^T fed from
 the diagonal's query blocks apart from the rest. Neither issues float64 arithmetic while its products are in flight:
 there it waited for them (Nsight Compute, notes).
 
-Scope (`eligible`): bf16, head dim 128, as many K/V heads as query heads, equal-length unpadded sequences whose
-length is a multiple of 128 (queries and keys alike).
+Scope (`dispatch.hopper_shape`): bf16, head dim 128, as many K/V heads as query heads, equal-length unpadded
+sequences whose length is a multiple of 128 (queries and keys alike).
 """
-
-import os
 
 import torch
 from triton.experimental import gluon
@@ -32,27 +29,13 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .triton_attention import SEGMENT, _compute_capability
+from ..acp import compute_acp_delta
+from ..common import HOPPER_TILE
 
-ENABLED = os.environ.get("FOXLM_GLUON", "1") != "0"
-HEAD_DIM = 128
-TILE = 128  # query rows per forward program, keys per dK/dV program, and the key-bias segment
 WG_ROWS = gl.constexpr(64)  # query rows per forward consumer warpgroup
 BLOCK_M_BWD = 64  # query rows per dK/dV iteration
 SEARCH_WIDTH = gl.constexpr(32)
-
-
-def eligible(q, k, cu_seqlens, seq_start):
-    """Whether these kernels serve the call (module docstring); the Triton kernels serve every other. They read the
-    key biases of `triton_gate_cumsum`, whose segments must be their 128-position tiles."""
-    return (ENABLED and SEGMENT == TILE and q.is_cuda and _compute_capability(q.device.index) == (9, 0)
-            and _eligible_shape(q, k, cu_seqlens, seq_start))
-
-
-def _eligible_shape(q, k, cu_seqlens, seq_start):
-    B, Tq, Hq, D = q.shape
-    return (q.dtype == torch.bfloat16 and D == HEAD_DIM and k.shape[2] == Hq and k.shape[1] == Tq
-            and Tq % TILE == 0 and Tq > 0 and cu_seqlens is None and seq_start is None)
+_acp_delta = gluon.jit(compute_acp_delta)  # the one formula of acp_delta, compiled into these kernels
 
 
 def _rows(x, block_rows):
@@ -69,7 +52,7 @@ def _rows(x, block_rows):
 
 @gluon.jit
 def _heaviest_first(pid, num_blocks, head_group, ROW_ORDER, ORDERED: gl.constexpr):
-    """As `triton_attention._heaviest_first`: ((sequence, head) row, rank), rank 0 the block with the most work."""
+    """As `attention_triton._heaviest_first`: ((sequence, head) row, rank), rank 0 the block with the most work."""
     per_group = head_group * num_blocks
     g = pid // per_group
     size = gl.minimum(head_group, gl.num_programs(0) // num_blocks - g * head_group)
@@ -82,17 +65,17 @@ def _heaviest_first(pid, num_blocks, head_group, ROW_ORDER, ORDERED: gl.constexp
 
 
 @gluon.jit
-def _prune_threshold(BOUND, stride_ub, stride_uh, b, h, log_eps, T):
-    """delta = log eps - 2U - log L (natural log), float64; -inf (nothing pruned) for a NaN bound."""
+def _acp_row_delta(BOUND, stride_ub, stride_uh, b, h, log_eps, T):
+    """acp_delta of (sequence, head) row (b, h) in float64; -inf (nothing pruned) for a NaN bound."""
     u = gl.load(BOUND + b * stride_ub + h * stride_uh)
-    delta = log_eps - 2.0 * u - gl.log(T.to(gl.float32))
+    delta = _acp_delta(u, T.to(gl.float32), log_eps, gl.constexpr(gl.log))
     return gl.where(delta == delta, delta, float("-inf")).to(gl.float64)
 
 
 @gluon.jit
-def _first_block(C_row, c_ref, delta, lo, hi, first_pos, BLOCK: gl.constexpr, QUERY_BLOCKS: gl.constexpr,
+def _first_block(C_row, c_ref, acp_delta, lo, hi, first_pos, BLOCK: gl.constexpr, QUERY_BLOCKS: gl.constexpr,
                  num_warps: gl.constexpr):
-    """As `triton_attention._first_block`: the first block index in [lo, hi) whose tile is pruned (QUERY_BLOCKS)
+    """As `attention_triton._first_block`: the first block index in [lo, hi) whose tile is pruned (QUERY_BLOCKS)
     or kept (key blocks), by rounds that narrow the interval to one of SEARCH_WIDTH candidates."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     hi = gl.maximum(hi, lo)
@@ -102,9 +85,9 @@ def _first_block(C_row, c_ref, delta, lo, hi, first_pos, BLOCK: gl.constexpr, QU
         in_range = cand < hi
         c_cand = gl.load(C_row + (first_pos + cand * BLOCK).to(gl.int64), mask=in_range, other=0.0)
         if QUERY_BLOCKS:
-            fails = c_cand - c_ref >= delta
+            fails = c_cand - c_ref >= acp_delta
         else:
-            fails = c_ref - c_cand < delta
+            fails = c_ref - c_cand < acp_delta
         n_before = gl.sum((in_range & fails).to(gl.int32), 0)
         new_lo = gl.where(n_before > 0, lo + (n_before - 1) * step + 1, lo)
         hi = gl.minimum(lo + n_before * step, hi)
@@ -164,7 +147,7 @@ def _fwd_producer(k_desc, v_desc, k_smem, v_smem, kb_smem, k_ready, k_empty, v_r
         start_n = (j0 + it) * 128
         # Log2-domain key biases against the anchor: fp32 within the segment plus one float64 shift per block,
         # computed here, off the consumers' path (there, the shift's global load and float64 subtraction after each
-        # product's wait took a fifth of a warpgroup's stall samples), and stored beside K before its barrier's
+        # product's wait showed in a warpgroup's stall samples: notes), and stored beside K before its barrier's
         # arrival publishes both.
         segment = gl.load(C_SEG_row + start_n + gl.arange(0, 128, layout=keys))
         shift = ((gl.load(C_row + start_n) - anchor) * 1.4426950408889634).to(gl.float32)
@@ -257,8 +240,8 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, C, C_SEG, O, LSE, BOUND, ROW_ORDE
     anchor = gl.load(C_row + start_m)
     j0 = start_m * 0
     if PRUNE:
-        threshold = _prune_threshold(BOUND, stride_ub, stride_uh, b, h, log_eps, T)
-        j0 = _first_block(C_row, anchor, threshold, j0, start_m // 128, 127, 128, False, num_warps)
+        acp_delta = _acp_row_delta(BOUND, stride_ub, stride_uh, b, h, log_eps, T)
+        j0 = _first_block(C_row, anchor, acp_delta, j0, start_m // 128, 127, 128, False, num_warps)
     n_iter = start_m // 128 + 1 - j0
     if COUNT_PRUNED:
         # Per query row: keys skipped, and keys visible (the denominator of the pruned fraction).
@@ -276,18 +259,17 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, C, C_SEG, O, LSE, BOUND, ROW_ORDE
     ], [4, 1], [240, 24])
 
 
-def forward(q, k, v, c, key_bias, out, lse, sm_scale, bound, log_eps, prune, head_group, row_order, ordered,
-            pruned_counts=None):
+def hopper_forward(q, k, v, c, key_bias, out, lse, sm_scale, bound, log_eps, prune, head_group, row_order, ordered,
+                   pruned_counts=None):
     """Fills out (B, T, H, D), lse (B, H, T) and pruned_counts (if given) as `triton_attention_forward` does;
-    c and key_bias (B, H, T) contiguous; programs in the order of row_order (`triton_attention._row_order`) if
-    `ordered`."""
+    c and key_bias (B, H, T) contiguous; programs in the order of row_order (`acp.row_order`) if `ordered`."""
     B, T, H, _ = q.shape
-    grid = (T // TILE * B * H,)
+    grid = (T // HOPPER_TILE * B * H,)
     counts = q.new_empty((1,), dtype=torch.int32) if pruned_counts is None else pruned_counts
-    _hopper_fwd_kernel[grid](_rows(q, 64), _rows(k, TILE), _rows(v, TILE), c, key_bias, out, lse, bound, row_order,
-                             counts, *bound.stride(), T, H, head_group, out.stride(1), sm_scale * 1.4426950408889634,
-                             log_eps, PRUNE=prune, ORDERED=ordered, COUNT_PRUNED=pruned_counts is not None,
-                             num_warps=4, maxnreg=168)
+    _hopper_fwd_kernel[grid](_rows(q, 64), _rows(k, HOPPER_TILE), _rows(v, HOPPER_TILE), c, key_bias, out, lse,
+                             bound, row_order, counts, *bound.stride(), T, H, head_group, out.stride(1),
+                             sm_scale * 1.4426950408889634, log_eps, PRUNE=prune, ORDERED=ordered,
+                             COUNT_PRUNED=pruned_counts is not None, num_warps=4, maxnreg=168)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -328,7 +310,7 @@ def _kv_step(it, dk, dv, dc, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q
     dk_tok = warpgroup_mma(dst_op, q_smem.index(slot), dk, is_async=True)
     dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, pt_op, dst_op])
     # The next block's float64 shift here, with no product in flight and the barrier below keeping it there: issued
-    # while products ran, it waited for them on its pipe (a tenth of the stall samples, Nsight Compute on an H100).
+    # while products ran, it waited for them on its pipe (stall samples, Nsight Compute on an H100: notes).
     shift = ((c_seg - anchor) * 1.4426950408889634).to(gl.float32)
     gl.thread_barrier()  # both warpgroups are done with this slot: refill it with query block it + 2
     if it + 2 < n_iter:
@@ -370,10 +352,10 @@ def _hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, C, Q_BIAS, DELTA, DK, D
     anchor = gl.load(C_row + start_n)
     end = T
     if PRUNE:
-        # Query blocks from the first whose first query is decayed past delta against the last key are skipped.
-        threshold = _prune_threshold(BOUND, stride_ub, stride_uh, b, h, log_eps, T)
+        # Query blocks from the first whose first query is decayed past acp_delta against the last key are skipped.
+        acp_delta = _acp_row_delta(BOUND, stride_ub, stride_uh, b, h, log_eps, T)
         c_last = gl.load(C_row + start_n + 127)
-        end = gl.minimum(_first_block(C_row, c_last, threshold, start_n // 64, T // 64, 0, 64, True, num_warps) * 64,
+        end = gl.minimum(_first_block(C_row, c_last, acp_delta, start_n // 64, T // 64, 0, 64, True, num_warps) * 64,
                          T)
     n_iter = (end - start_n) // 64
 
@@ -432,17 +414,17 @@ def _hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, C, Q_BIAS, DELTA, DK, D
         mbarrier.invalidate(do_bar.index(i))
 
 
-def dkdv(q, k, v, do, c, key_bias, lse, delta, dk, dv, dc, sm_scale, bound, log_eps, prune, head_group, row_order,
-         ordered):
+def hopper_dkdv(q, k, v, do, c, key_bias, lse, delta, dk, dv, dc, sm_scale, bound, log_eps, prune, head_group,
+                row_order, ordered):
     """Fills dk, dv (B, T, H, D) and dc (B, H, T) as the Triton dK/dV pass does; delta corrected by the dQ pass."""
     B, T, H, _ = q.shape
-    grid = (T // TILE * B * H,)
+    grid = (T // HOPPER_TILE * B * H,)
     # Query biases (c_t - c_s) log2(e) - lse_t in fp32 (s the segment start), one vector for the loop to read.
     q_bias = key_bias - lse
-    _hopper_dkdv_kernel[grid](_rows(q, BLOCK_M_BWD), _rows(k, TILE), _rows(v, TILE), _rows(do, BLOCK_M_BWD), c,
-                              q_bias, delta, dk, dv, dc, bound, row_order, *bound.stride(), T, H, head_group,
-                              dk.stride(1), dv.stride(1), sm_scale * 1.4426950408889634, sm_scale, log_eps,
-                              PRUNE=prune, ORDERED=ordered, num_warps=8)
+    _hopper_dkdv_kernel[grid](_rows(q, BLOCK_M_BWD), _rows(k, HOPPER_TILE), _rows(v, HOPPER_TILE),
+                              _rows(do, BLOCK_M_BWD), c, q_bias, delta, dk, dv, dc, bound, row_order, *bound.stride(),
+                              T, H, head_group, dk.stride(1), dv.stride(1), sm_scale * 1.4426950408889634, sm_scale,
+                              log_eps, PRUNE=prune, ORDERED=ordered, num_warps=8)
 
 
-__all__ = ["ENABLED", "eligible", "forward", "dkdv"]
+__all__ = ["hopper_forward", "hopper_dkdv"]

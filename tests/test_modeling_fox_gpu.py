@@ -1,6 +1,6 @@
 """FoxForCausalLM on a real GPU: the Triton path agrees with the reference path at model level.
 
-Run on a CUDA machine: `python -m pytest tests/gpu -q` (skipped without CUDA).
+Run on a CUDA machine: `python -m pytest -m gpu tests -q` (marked `gpu`: skipped without CUDA).
 """
 
 import pytest
@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from foxlm import FoxConfig, FoxForCausalLM
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 
 def gpu_model(dtype, backend="auto", seed=0, **overrides):

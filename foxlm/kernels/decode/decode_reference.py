@@ -1,0 +1,28 @@
+"""Pure-PyTorch Forgetting Attention for decoding: the twin of the split-K kernel (`decode_triton.py`) in tests and
+the path of CPU tensors; arguments as `forgetting_decode` (validated there)."""
+
+import math
+
+import torch
+
+
+def forgetting_decode_reference(q, k, v, fgate_cumsum, *, sm_scale=None, seq_start=None, acp_delta=None):
+    """Pure-PyTorch twin of the decode kernel (float64 for float64 inputs, else float32)."""
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qg = q.to(dtype).view(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4)  # (B, Hkv, G, Tq, D)
+    kg, vg = (t.to(dtype).permute(0, 2, 1, 3).unsqueeze(2) for t in (k, v))  # (B, Hkv, 1, Tk, D)
+    c = fgate_cumsum.transpose(1, 2).view(B, Hkv, group, Tk)
+    bias = (c[..., Tk - Tq :, None] - c[..., None, :]).to(dtype)  # (B, Hkv, G, Tq, Tk)
+    keys = torch.arange(Tk, device=q.device)
+    visible = (keys[None, :] <= keys[Tk - Tq :, None]).expand(B, Hkv, group, Tq, Tk)
+    if seq_start is not None:
+        visible = visible & (keys >= seq_start[:, None, None, None, None])
+    if acp_delta is not None:
+        visible = visible & (bias >= acp_delta.view(B, Hkv, group, 1, 1))
+    scores = (torch.matmul(qg, kg.transpose(-1, -2)) * sm_scale + bias).masked_fill(~visible, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1).nan_to_num(0.0), vg)
+    return out.permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq, D).to(q.dtype)
