@@ -68,15 +68,63 @@ def run_convert_llama(args):
     from foxlm.conversion import ConversionError, convert_llama_to_fox
 
     try:
+        transfer = transfer_options(args) if args.transfer_steps else {}
         output_dir = convert_llama_to_fox(
             args.source, args.output_dir, keep_rope=args.keep_rope, dtype=args.dtype,
             max_shard_size=args.max_shard_size, force=args.force, gate_init=args.gate_init,
-            gate_bias=args.gate_bias, decay_times=tuple(args.decay_times),
+            gate_bias=args.gate_bias, decay_times=tuple(args.decay_times), **transfer,
         )
-    except ConversionError as error:
+    except (ConversionError, FileNotFoundError) as error:
         sys.exit(f"error: {error}")
     print(f"saved a FoX model to {output_dir} (see its README.md); next: fine-tune it on long documents "
           f"(`foxlm finetune --model {args.source}` converts and fine-tunes in one go)")
+
+
+def transfer_options(args):
+    """`convert_llama_to_fox`'s attention-transfer arguments: batches of --transfer-data tokenized by the source's
+    tokenizer, in blocks of at most the source's context."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from foxlm.conversion.llama import resolve_source
+    from foxlm.conversion.output import check_output_dir
+    from foxlm.conversion.transfer import document_batches
+    from foxlm.data import read_texts, stdlib_split, text_files, tokenize_documents
+
+    check_output_dir(args.output_dir, args.force)  # before tokenizing a corpus for nothing
+    name_or_path, kwargs = resolve_source(args.source)
+    context = getattr(AutoConfig.from_pretrained(name_or_path, **kwargs), "max_position_embeddings", None)
+    length = min(args.transfer_length, context or args.transfer_length)
+    paths = text_files(args.transfer_data) if args.transfer_data else stdlib_split()[0]
+    documents = tokenize_documents(AutoTokenizer.from_pretrained(name_or_path, **kwargs), read_texts(paths),
+                                   add_bos=False)
+    try:
+        batches = document_batches(documents, block_size=length, batch_size=args.transfer_batch_size,
+                                   max_blocks=args.transfer_steps * args.transfer_batch_size)
+    except ValueError as error:
+        sys.exit(f"error: --transfer-length {length}: {error}; lower it or give more --transfer-data")
+    return dict(transfer_steps=args.transfer_steps, transfer_data=batches, transfer_lr=args.transfer_lr,
+                transfer_qk_rank=args.transfer_qk_rank)
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
 
 
 def run_convert_official(args):
@@ -143,6 +191,25 @@ def add_convert_commands(commands):
     llama.add_argument("--decay-times", type=float, nargs=2, metavar=("MIN", "MAX"), default=DEFAULT_DECAY_TIMES,
                        help="shortest and longest decay time in tokens for --gate-init decay-spread "
                             "(default: %(default)s)")
+    transfer = llama.add_argument_group(
+        "attention transfer (docs/retrofit.md)",
+        "Train each layer's forget gate, and a low-rank update of q_proj/k_proj with --transfer-qk-rank, to reproduce "
+        "the source's attention outputs on the source's hidden states before saving. Minutes on a GPU; recovers much "
+        "of what dropping RoPE loses, before any fine-tuning.")
+    transfer.add_argument("--transfer-steps", type=non_negative_int, default=0,
+                          help="optimizer steps; 0 converts without transfer (default: %(default)s)")
+    transfer.add_argument("--transfer-data", default=None, metavar="GLOB",
+                          help="text files to run the source on (default: the training split of the Python "
+                               "standard library's sources, as `foxlm finetune`)")
+    transfer.add_argument("--transfer-qk-rank", type=non_negative_int, default=8,
+                          help="rank of the q/k updates, merged into the weights; 0 trains the gates only "
+                               "(default: %(default)s)")
+    transfer.add_argument("--transfer-lr", type=positive_float, default=1e-2,
+                          help="Adam's learning rate (default: %(default)s)")
+    transfer.add_argument("--transfer-length", type=positive_int, default=2048,
+                          help="tokens per sequence, capped at the source's context (default: %(default)s)")
+    transfer.add_argument("--transfer-batch-size", type=positive_int, default=8,
+                          help="sequences per step (default: %(default)s)")
     llama.set_defaults(func=run_convert_llama)
 
     official = kinds.add_parser(

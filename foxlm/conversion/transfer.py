@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
-from ..data import packed_documents
+from ..data import evenly_spaced, pack_into_blocks, tokenize_documents
 from ..modeling_fox import FoxAttention, FoxAttentionLayout
 
 DEFAULT_LR = 1e-2
@@ -58,9 +58,16 @@ class LowRankUpdate(nn.Module):
 
 def token_batches(tokenizer, texts, *, block_size, batch_size, max_blocks=None):
     """Training data for `transfer_attention`: (batch_size, block_size) input-id tensors of the texts, tokenized with
-    EOS after each, packed and cut into blocks (`foxlm.data.packed_documents`), at most `max_blocks` blocks spread over
-    the stream. The last batch may hold fewer blocks."""
-    return list(torch.tensor(packed_documents(tokenizer, texts, block_size, max_blocks)).split(batch_size))
+    EOS after each, packed and cut into blocks, at most `max_blocks` blocks spread over the stream. The last batch may
+    hold fewer blocks."""
+    documents = tokenize_documents(tokenizer, texts, add_bos=False)
+    return document_batches(documents, block_size=block_size, batch_size=batch_size, max_blocks=max_blocks)
+
+
+def document_batches(documents, *, block_size, batch_size, max_blocks=None):
+    """`token_batches` of documents already tokenized (token id lists, each ending with EOS)."""
+    blocks = evenly_spaced(pack_into_blocks(documents, block_size).tolist(), max_blocks)
+    return list(torch.tensor(blocks).split(batch_size))
 
 
 def decoder_layers(model, name):

@@ -1,0 +1,135 @@
+"""Distillation from the original model while fine-tuning a retrofitted FoX model.
+
+A converted model fine-tuned with next-token loss alone learns its training corpus, not the original's behaviour on
+everything else. `DistillationTrainer` adds KL(original || FoX) of the next-token distributions, computed on the fly
+from the original (the teacher: frozen, eval mode, no grad) in the same step, at the positions inside the original's
+trained context. Beyond that context the teacher's predictions are broken, and only the next-token loss applies.
+
+The language-model head runs in chunks of `chunk_size` tokens under activation checkpointing, so a 16k-token sequence
+never holds its (tokens x vocabulary) logits in fp32 at once, for the student or the teacher. Design: docs/retrofit.md.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from transformers import Trainer
+from transformers.trainer_utils import unwrap_peft_model
+
+IGNORE_INDEX = -100
+
+
+def chunked_distillation_loss(student_hidden, student_head, labels, *, teacher_hidden=None, teacher_head=None,
+                              kl_mask=None, chunk_size=2048):
+    """Sums over the predicting positions of (next-token loss, KL(teacher || student)) and their counts.
+
+    Args:
+        student_hidden: (B, T, H) last hidden states of the student; `student_head` maps them to logits.
+        labels: (B, T) target ids, unshifted as for `FoxForCausalLM` (position t predicts labels[t + 1]); -100 ignored.
+        teacher_hidden, teacher_head: the teacher's last hidden states and head (no KL term when None).
+        kl_mask: (B, T) bool, positions t whose prediction takes the KL term (default: all).
+
+    Returns (ce_sum, kl_sum, tokens, kl_tokens): fp32 scalars with the graph to the student, and the two counts.
+    """
+    if student_hidden.shape[:2] != labels.shape:
+        raise ValueError(f"`labels` must be (batch, seq_len) = {tuple(student_hidden.shape[:2])}, "
+                         f"got {tuple(labels.shape)}.")
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # position t predicts token t + 1
+    predicting = targets != IGNORE_INDEX
+    with_teacher = teacher_hidden is not None
+    if not with_teacher:
+        kl_positions = torch.zeros_like(predicting)
+    else:
+        kl_positions = predicting if kl_mask is None else predicting & kl_mask
+
+    def chunk_terms(hidden, target, teacher, use_kl):
+        log_probs = F.log_softmax(student_head(hidden).float(), dim=-1)
+        ce = F.nll_loss(log_probs, target, ignore_index=IGNORE_INDEX, reduction="sum")
+        if teacher is None:
+            return ce, log_probs.new_zeros(())
+        with torch.no_grad():
+            teacher_log_probs = F.log_softmax(teacher_head(teacher).float(), dim=-1)
+        kl = (teacher_log_probs.exp() * (teacher_log_probs - log_probs)).sum(-1)
+        return ce, (kl * use_kl).sum()
+
+    ce_sum = kl_sum = student_hidden.new_zeros((), dtype=torch.float32)
+    flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+    hidden, target, kl_flags = flat(student_hidden), flat(targets), flat(kl_positions)
+    teacher = flat(teacher_hidden) if with_teacher else None
+    for start in range(0, hidden.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        if not predicting.reshape(-1)[part].any():
+            continue
+        args = (hidden[part], target[part], None if teacher is None else teacher[part], kl_flags[part])
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            ce, kl = checkpoint(chunk_terms, *args, use_reentrant=False)
+        else:
+            ce, kl = chunk_terms(*args)
+        ce_sum, kl_sum = ce_sum + ce, kl_sum + kl
+    return ce_sum, kl_sum, int(predicting.sum()), int(kl_positions.sum())
+
+
+def language_model_parts(model):
+    """(decoder, lm_head) of a causal LM, through PEFT and accelerate wrappers."""
+    model = unwrap_peft_model(model)
+    decoder, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    if decoder is None or head is None:
+        raise ValueError(f"expected a causal LM with `.model` and `.lm_head`, got {type(model).__name__}.")
+    return decoder, head
+
+
+class DistillationTrainer(Trainer):
+    """`Trainer` whose loss is next-token loss plus `kl_weight` x KL(teacher || model) at positions below
+    `teacher_context` (position ids, so per document in packed batches).
+
+    Both terms are sums over the predicting positions divided by their number (`num_items_in_batch` under gradient
+    accumulation, as the model's own loss), so `kl_weight=0` gives exactly the next-token loss. The teacher must share
+    the model's tokenizer; it is moved to the training device, frozen and kept in eval mode. The two terms are logged
+    as `ce` and `kl` (means over the logging interval).
+    """
+
+    def __init__(self, *args, teacher=None, kl_weight=1.0, teacher_context=None, chunk_size=2048, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not kl_weight >= 0:
+            raise ValueError(f"`kl_weight` must be non-negative, got {kl_weight!r}.")
+        if teacher is None and kl_weight > 0:
+            raise ValueError("`kl_weight` > 0 needs a `teacher` model.")
+        self.teacher = None if teacher is None or kl_weight == 0 else teacher.to(self.args.device).eval()
+        if self.teacher is not None:
+            self.teacher.requires_grad_(False)
+        self.kl_weight, self.teacher_context, self.chunk_size = kl_weight, teacher_context, chunk_size
+        self._terms = {"ce": [], "kl": []}
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        decoder, head = language_model_parts(self.accelerator.unwrap_model(model))
+        hidden = decoder(**inputs, use_cache=False).last_hidden_state
+        teacher_hidden = teacher_head = kl_mask = None
+        if self.teacher is not None:
+            teacher_decoder, teacher_head = language_model_parts(self.teacher)
+            with torch.no_grad():
+                teacher_hidden = teacher_decoder(**inputs, use_cache=False).last_hidden_state
+            if self.teacher_context is not None:
+                positions = inputs.get("position_ids")
+                if positions is None:
+                    positions = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
+                kl_mask = positions < self.teacher_context
+        ce, kl, tokens, _ = chunked_distillation_loss(hidden, head, labels, teacher_hidden=teacher_hidden,
+                                                      teacher_head=teacher_head, kl_mask=kl_mask,
+                                                      chunk_size=self.chunk_size)
+        count = num_items_in_batch if num_items_in_batch is not None else max(tokens, 1)
+        count = count.to(ce.device) if torch.is_tensor(count) else count
+        ce, kl = ce / count, kl / count
+        self._terms["ce"].append(ce.detach())
+        self._terms["kl"].append(kl.detach())
+        loss = ce + self.kl_weight * kl
+        return (loss, {"loss": loss}) if return_outputs else loss
+
+    def log(self, logs, *args, **kwargs):
+        if "loss" in logs and self._terms["ce"]:
+            # Each micro-batch term is already divided by the whole step's token count: sum per step, mean of steps.
+            steps = max(1, len(self._terms["ce"]) // max(1, self.args.gradient_accumulation_steps))
+            for name, values in self._terms.items():
+                logs[name] = round(torch.stack(values).sum().item() / steps, 4)
+            self._terms = {"ce": [], "kl": []}
+        super().log(logs, *args, **kwargs)

@@ -1,0 +1,125 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import get_peft_model
+from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+from foxlm import fox_lora_config
+from foxlm.conversion import fox_from_llama
+from foxlm.distillation import DistillationTrainer, chunked_distillation_loss
+
+TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
+
+
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+
+
+def direct_terms(student_logits, teacher_logits, labels, kl_mask):
+    """float64 next-token loss and KL(teacher || student), written the plain way."""
+    s = F.log_softmax(student_logits.double()[:, :-1], -1)
+    t = F.log_softmax(teacher_logits.double()[:, :-1], -1)
+    target = labels[:, 1:]
+    keep = target != -100
+    ce = -s.gather(-1, target.clamp_min(0)[..., None])[..., 0][keep].sum()
+    kl = F.kl_div(s, t, log_target=True, reduction="none").sum(-1)[keep & kl_mask[:, :-1]].sum()
+    return ce, kl, int(keep.sum()), int((keep & kl_mask[:, :-1]).sum())
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 4096])
+def test_chunked_loss_matches_direct_computation_with_gradients(chunk_size):
+    torch.manual_seed(1)
+    B, T, H, V = 2, 13, 8, 11
+    student_hidden = torch.randn(B, T, H, dtype=torch.float64, requires_grad=True)
+    teacher_hidden = torch.randn(B, T, H, dtype=torch.float64)
+    student_head, teacher_head = torch.nn.Linear(H, V).double(), torch.nn.Linear(H, V).double()
+    labels = torch.randint(0, V, (B, T))
+    labels[0, 4] = labels[1, 0] = -100  # a document boundary and an ignored token
+    kl_mask = torch.arange(T).expand(B, T) < 9
+    ce, kl, tokens, kl_tokens = chunked_distillation_loss(student_hidden, student_head, labels,
+                                                          teacher_hidden=teacher_hidden, teacher_head=teacher_head,
+                                                          kl_mask=kl_mask, chunk_size=chunk_size)
+    ce_ref, kl_ref, tokens_ref, kl_tokens_ref = direct_terms(student_head(student_hidden), teacher_head(teacher_hidden),
+                                                             labels, kl_mask)
+    assert (tokens, kl_tokens) == (tokens_ref, kl_tokens_ref) == (B * (T - 1) - 1, 2 * 9 - 1)
+    torch.testing.assert_close(ce.double(), ce_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kl.double(), kl_ref, rtol=1e-6, atol=1e-6)
+    grad = torch.autograd.grad(ce + 0.5 * kl, student_hidden)[0]
+    grad_ref = torch.autograd.grad(ce_ref + 0.5 * kl_ref, student_hidden)[0]
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-6)
+    assert kl > 0
+
+
+def test_kl_is_zero_when_the_student_is_the_teacher_and_next_token_loss_matches_the_models_own():
+    llama = tiny_llama()
+    ids = torch.randint(0, TINY["vocab_size"], (2, 20))
+    hidden = llama.model(ids).last_hidden_state
+    ce, kl, tokens, _ = chunked_distillation_loss(hidden, llama.lm_head, ids, teacher_hidden=hidden,
+                                                  teacher_head=llama.lm_head, chunk_size=8)
+    assert abs(kl.item()) < 1e-6
+    torch.testing.assert_close(ce / tokens, llama(ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
+
+
+def test_labels_of_the_wrong_shape_are_refused():
+    with pytest.raises(ValueError, match="labels"):
+        chunked_distillation_loss(torch.zeros(1, 4, 8), torch.nn.Linear(8, 5), torch.zeros(1, 5, dtype=torch.long))
+
+
+def packed_examples(count=8, seed=3):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(6, 24, (count,), generator=generator).tolist()
+    return [{"input_ids": (ids := torch.randint(0, TINY["vocab_size"], (n,), generator=generator).tolist()),
+             "labels": list(ids)} for n in lengths]
+
+
+def make_trainer(tmp_path, kl_weight, steps=4, lora=True, **kwargs):
+    teacher = tiny_llama()
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(30)  # peaked predictions, far from the student's near-uniform ones
+    student = fox_from_llama(tiny_llama())  # its own weights: the teacher is never trained
+    model = get_peft_model(student, fox_lora_config(student, r=4)) if lora else student
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, learning_rate=1e-2, logging_steps=1, report_to=[],
+                             use_cpu=True, save_strategy="no", seed=0)
+    return DistillationTrainer(model=model, args=args, train_dataset=packed_examples(),
+                               data_collator=DataCollatorWithFlattening(), teacher=teacher, kl_weight=kl_weight,
+                               **kwargs), teacher
+
+
+def test_without_kl_the_trainer_loss_is_the_models_next_token_loss(tmp_path):
+    trainer, _ = make_trainer(tmp_path, kl_weight=0.0)
+    batch = DataCollatorWithFlattening()(packed_examples()[:2])
+    model = trainer.model
+    expected = model(**batch).loss
+    torch.testing.assert_close(trainer.compute_loss(model, batch), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_distillation_lowers_the_kl_and_leaves_the_teacher_unchanged(tmp_path):
+    trainer, teacher = make_trainer(tmp_path, kl_weight=1.0, steps=6, teacher_context=12)
+    trainer.args.learning_rate = 3e-2
+    before = {name: p.clone() for name, p in teacher.state_dict().items()}
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "kl" in entry]
+    assert len(logged) == 6 and logged[-1]["kl"] < logged[0]["kl"]
+    assert all(abs(e["loss"] - (e["ce"] + e["kl"])) < 1e-3 for e in logged), logged
+    assert all(torch.equal(p, before[name]) for name, p in teacher.state_dict().items())
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+
+
+def test_kl_applies_only_inside_the_teachers_context(tmp_path):
+    trainer, _ = make_trainer(tmp_path, kl_weight=1.0, teacher_context=1)
+    batch = DataCollatorWithFlattening()(packed_examples()[:2])
+    # Position 0 of each document predicts token 1: only those positions take the KL term.
+    trainer.compute_loss(trainer.model, batch)
+    small = trainer._terms["kl"][-1]
+    trainer.teacher_context = None
+    trainer.compute_loss(trainer.model, batch)
+    assert 0 < small < trainer._terms["kl"][-1]
+
+
+def test_a_kl_weight_without_teacher_is_refused(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with pytest.raises(ValueError, match="teacher"):
+        DistillationTrainer(model=fox_from_llama(tiny_llama()), args=args, kl_weight=1.0)
