@@ -222,24 +222,26 @@ def add_convert_commands(commands):
     official.set_defaults(func=run_convert_official)
 
 
-def documents_for_eval(args, tokenizer, length):
-    """Evaluation token id lists: `--data stdlib` (held-out standard library files, packed into `length`-token
-    documents), a glob of text files or a `datasets` name (one document each, longest first; `--pack` packs them)."""
-    from foxlm.data import held_out_stdlib_documents, packed_documents, read_texts, text_files, tokenize_documents
+def documents_for_eval(args, tokenizer, length, data):
+    """Evaluation token id lists for one `--data` item: a domain of foxlm.data (code, docs, prose; stdlib = code:
+    its held-out files packed into `length`-token documents), a glob of text files or a `datasets` name (one
+    document each, longest first; `--pack` packs them)."""
+    from foxlm.data import DOMAIN_ALIASES, DOMAINS, held_out_documents, packed_documents, read_texts, text_files
+    from foxlm.data import tokenize_documents
 
-    if args.data == "stdlib":
-        return held_out_stdlib_documents(tokenizer, length, args.num_docs)
-    if any(ch in args.data for ch in "*?[") or Path(args.data).exists():
-        texts = read_texts(text_files(args.data))
-    else:
-        from datasets import load_dataset
+    try:
+        if data in DOMAINS or data in DOMAIN_ALIASES:
+            return held_out_documents(tokenizer, data, length, args.num_docs, corpus_dir=args.corpus_dir)
+        if any(ch in data for ch in "*?[") or Path(data).exists():
+            texts = read_texts(text_files(data))
+        else:
+            from datasets import load_dataset
 
-        texts = load_dataset(args.data, split=args.split)[args.text_column]
-    if args.pack:
-        try:
+            texts = load_dataset(data, split=args.split)[args.text_column]
+        if args.pack:
             return packed_documents(tokenizer, texts, length, args.num_docs)
-        except ValueError as error:
-            sys.exit(f"error: --data {args.data}: {error}; lower the length or add documents.")
+    except (FileNotFoundError, ValueError) as error:
+        sys.exit(f"error: --data {data}: {error}")
     texts = sorted(texts, key=len, reverse=True)[: args.num_docs]  # the longest reach furthest
     # No EOS on unpacked documents: predicting a document's end is not what the curve measures, and it spikes the tail.
     return tokenize_documents(tokenizer, texts, add_bos=False, add_eos=False)
@@ -257,43 +259,57 @@ def eval_output_paths(args, *names):
 
 
 def run_per_token_loss(args):
-    """L(i) of each model on the same documents, to JSON and a PNG plot."""
+    """L(i) of each model on each --data's documents, with top-1 agreement with --reference, to JSON and a PNG."""
     from transformers import AutoTokenizer
 
     from foxlm.conversion.llama import resolve_source
-    from foxlm.evaluation import compare_per_token_loss, format_bands, write_per_token_loss_report
+    from foxlm.evaluation import evaluate_models, format_report, write_evaluation_report
 
     labels = args.labels.split(",") if args.labels else [str(source) for source in args.models]
     if len(labels) != len(args.models):
         sys.exit(f"error: --labels names {len(labels)} models, but {len(args.models)} MODELs were given.")
+    reference = args.reference or (labels[0] if len(labels) > 1 else None)
+    if reference is not None and reference not in labels:
+        sys.exit(f"error: --reference {reference!r} is none of the models' labels ({', '.join(labels)}).")
     json_path, png_path = eval_output_paths(args, "per_token_loss.json", "per_token_loss.png")
     name_or_path, kwargs = resolve_source(args.tokenizer or args.models[0])
-    documents = documents_for_eval(args, AutoTokenizer.from_pretrained(name_or_path, **kwargs), args.max_length)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    documents = {data: documents_for_eval(args, tokenizer, args.max_length, data) for data in args.data.split(",")}
     on_gpu = torch.cuda.is_available()
-    curves, count = compare_per_token_loss(dict(zip(labels, args.models)), documents, args.max_length,
-                                           dtype=torch.bfloat16 if on_gpu else torch.float32,
-                                           device="cuda" if on_gpu else "cpu")
-    min_documents = min(args.min_documents, len(documents))
-    bands = write_per_token_loss_report(curves, count, json_path, png_path, train_context=args.train_context,
-                                        min_documents=min_documents, documents=len(documents), data=args.data)
-    print(f"mean loss by position band over {len(documents)} documents (positions reached by at least "
-          f"{min_documents}):\n{format_bands(bands)}\nwrote {json_path} and {png_path}")
+    results = evaluate_models(dict(zip(labels, args.models)), documents, args.max_length, reference=reference,
+                              dtype=torch.bfloat16 if on_gpu else torch.float32, device="cuda" if on_gpu else "cpu")
+    report = write_evaluation_report(results, json_path, png_path, train_context=args.train_context,
+                                     min_documents=args.min_documents, reference=reference, data=args.data)
+    counts = ", ".join(f"{data} {len(docs)}" for data, docs in documents.items())
+    print(f"documents: {counts} (bands average the positions that at least {args.min_documents} reach)\n\n"
+          f"{format_report(report, reference)}\n\nwrote {json_path} and {png_path}")
 
 
 def run_needle(args):
     """Easy-mode needle-in-a-haystack over context lengths and depths, to JSON and a PNG heatmap."""
-    from foxlm.evaluation import load_causal_lm, needle_in_a_haystack, plot_needle, write_json
+    from foxlm.data import DOMAIN_ALIASES, DOMAINS
+    from foxlm.evaluation import load_causal_lm, needle_haystack, needle_in_a_haystack, needle_summary, plot_needle
+    from foxlm.evaluation import write_json
 
     json_path, png_path = eval_output_paths(args, "needle.json", "needle.png")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_causal_lm(args.model, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
                                       device=device)
-    haystack = [t for doc in documents_for_eval(args, tokenizer, max(args.context_lengths)) for t in doc]
+    length = max(args.context_lengths)
+    if args.data in DOMAINS or args.data in DOMAIN_ALIASES:
+        try:
+            haystack = needle_haystack(tokenizer, length, args.data, corpus_dir=args.corpus_dir)
+        except (FileNotFoundError, ValueError) as error:
+            sys.exit(f"error: --data {args.data}: {error}")
+    else:
+        haystack = [t for doc in documents_for_eval(args, tokenizer, length, args.data) for t in doc]
     scores = needle_in_a_haystack(model, tokenizer, haystack, args.context_lengths, args.depths)
-    write_json({"model": str(args.model), "context_lengths": args.context_lengths, "depths": args.depths,
-                "scores": scores.tolist(), "accuracy": float(scores.mean())}, json_path)
+    summary = needle_summary(scores, args.context_lengths, args.depths)
+    write_json({"model": str(args.model), "data": args.data, **summary}, json_path)
     plot_needle(scores, args.context_lengths, args.depths, png_path, title=f"Needle in a haystack: {args.model}")
-    print(f"accuracy {scores.mean():.2f} over {scores.size} trials; wrote {json_path} and {png_path}")
+    by_context = ", ".join(f"{c}: {a:.2f}" for c, a in summary["accuracy_by_context"].items())
+    print(f"accuracy {scores.mean():.2f} over {scores.size} trials (by context length: {by_context}); wrote "
+          f"{json_path} and {png_path}")
 
 
 def int_list(text):
@@ -308,15 +324,22 @@ def add_eval_commands(commands):
     evaluate = commands.add_parser("eval", help="long-context evaluation: per-token loss, needle in a haystack")
     kinds = evaluate.add_subparsers(dest="eval_command", required=True)
 
-    def add_data_args(parser, num_docs):
-        parser.add_argument("--data", default="stdlib",
-                            help="'stdlib' (the default: the Python standard library files that fine-tuning holds "
-                                 "out, packed into long documents), a glob of text files, or a `datasets` name")
+    def add_data_args(parser, num_docs, default, several):
+        parser.add_argument(
+            "--data", default=default,
+            help=("comma-separated; each " if several else "") + "a domain of held-out text: code (the Python "
+                 "standard library's files that fine-tuning holds out; 'stdlib' also works), docs (Python's "
+                 "documentation and the Linux man pages, held out likewise), prose (Jane Austen's novels, used "
+                 "nowhere in training), each packed into long documents; or a glob of text files, or a `datasets` "
+                 "name (default: %(default)s)")
+        parser.add_argument("--corpus-dir", default=None,
+                            help="read the docs and prose corpora from this folder (benchmarks/pack_corpus.py) "
+                                 "instead of the installed Debian packages (default: $FOXLM_CORPUS_DIR)")
         parser.add_argument("--split", default="validation", help="split of a `datasets` --data")
         parser.add_argument("--text-column", default="text", help="text column of a `datasets` --data")
         parser.add_argument("--pack", action="store_true",
                             help="pack a glob or `datasets` --data (EOS between documents) into documents of the "
-                                 "full length, as 'stdlib' is; without it each file or record is one document")
+                                 "full length, as the domains are; without it each file or record is one document")
         parser.add_argument("--num-docs", type=int, default=num_docs,
                             help="documents to use: the longest, or spread over the corpus when packed "
                                  "(default: %(default)s)")
@@ -328,9 +351,13 @@ def add_eval_commands(commands):
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Mean next-token loss at each position i over long documents, for any causal LM (FoX or\n"
                     "not): compare a converted model with its original. MODEL: folder, Hub id or .gguf file.\n"
-                    "A curve that keeps falling with i means the model uses the long context.\n\n"
+                    "A curve that keeps falling with i means the model uses the long context. With several\n"
+                    "MODELs, also the top-1 agreement with --reference: the fraction of positions where a\n"
+                    "model's most likely next token is the reference's. By default on three held-out domains:\n"
+                    "code and docs (held out from fine-tuning's training data) and prose (used nowhere).\n\n"
                     "examples:\n"
                     "  foxlm eval per-token-loss SmolLM2-135M-Instruct.gguf smollm2-fox --labels original,fox\n"
+                    "  foxlm eval per-token-loss ORIGINAL.gguf smollm2-fox --data prose --max-length 32768\n"
                     "  foxlm eval per-token-loss my-fox --data 'books/*.txt' --max-length 32768 --train-context 16384",
     )
     loss.add_argument("models", nargs="+", metavar="MODEL")
@@ -342,7 +369,9 @@ def add_eval_commands(commands):
                       "out of the plot and the band means (the JSON keeps them)")
     loss.add_argument("--labels", default=None, help="comma-separated legend names, one per MODEL (default: "
                       "the MODEL arguments)")
-    add_data_args(loss, num_docs=16)
+    loss.add_argument("--reference", default=None, help="the label of the model (the original) whose top-1 "
+                      "predictions the others' are compared with (default: the first MODEL's, with several)")
+    add_data_args(loss, num_docs=16, default="code,docs,prose", several=True)
     loss.set_defaults(func=run_per_token_loss)
 
     needle = kinds.add_parser(
@@ -350,16 +379,16 @@ def add_eval_commands(commands):
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="The FoX paper's easy mode: the needle carries its question, the prompt ends with the\n"
                     "question, and a trial passes when greedy decoding completes the answer. The haystack is\n"
-                    "cut from the --data documents.\n\n"
+                    "cut from the --data documents (default: held-out prose).\n\n"
                     "example:\n"
-                    "  foxlm eval needle my-fox --context-lengths 2048,8192,32768 --depths 0,0.5,1",
+                    "  foxlm eval needle my-fox --context-lengths 2048,4096,8192,16384,32768 --depths 0,0.5,1",
     )
     needle.add_argument("model", metavar="MODEL")
     needle.add_argument("--context-lengths", type=int_list, default=[1024, 2048, 4096, 8192],
                         help="comma-separated prompt lengths in tokens")
     needle.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0],
                         help="comma-separated needle depths (0 = start of the haystack)")
-    add_data_args(needle, num_docs=64)
+    add_data_args(needle, num_docs=64, default="prose", several=False)
     needle.set_defaults(func=run_needle)
 
 

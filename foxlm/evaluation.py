@@ -1,9 +1,12 @@
-"""Long-context evaluation: the per-token loss curve L(i) and needle-in-a-haystack (easy mode), with plots.
+"""Long-context evaluation: the per-token loss curve L(i), top-1 agreement with a reference model, and
+needle-in-a-haystack (easy mode), with plots.
 
-Both work for any causal LM (FoX or not), so a converted model can be compared with its original.
+All work for any causal LM (FoX or not), so a converted model can be compared with its original, on several domains
+of held-out text at once (`foxlm.data.held_out_documents`).
 """
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -27,11 +30,14 @@ def load_causal_lm(source, dtype=None, device=None, with_tokenizer=True):
 
 
 @torch.no_grad()
-def per_token_loss(model, documents, max_length, device=None, chunk_size=4096, desc="per-token loss"):
-    """L(i): the mean next-token loss at each position i over the documents (each truncated to `max_length`).
+def loss_and_predictions(model, documents, max_length, device=None, chunk_size=4096, desc="per-token loss"):
+    """L(i), the mean next-token loss at each position i over the documents (each truncated to `max_length`), and
+    the model's top-1 prediction at every position of every document, from the same forward passes.
 
-    Returns (loss, count): float64 arrays of length max_length - 1; position i holds the loss of predicting token
-    i + 1 from tokens 0..i, averaged over the `count[i]` documents long enough to have it.
+    Returns (loss, count, predictions): loss and count are float64 arrays of length max_length - 1; position i
+    holds the loss of predicting token i + 1 from tokens 0..i, averaged over the `count[i]` documents long enough to
+    have it. `predictions`: one int32 array per document, the argmax of the logits at each of its positions (for
+    `top1_agreement`).
 
     The logits go through the output layer `chunk_size` positions at a time, from the base model's last hidden
     state: a whole 32k-token document's fp32 logits would take 6 GB with a 49k vocabulary. This is how LLaMA-family
@@ -44,19 +50,47 @@ def per_token_loss(model, documents, max_length, device=None, chunk_size=4096, d
     head = model.get_output_embeddings()
     total = np.zeros(max_length - 1)
     count = np.zeros(max_length - 1)
+    predictions = []
     for doc in tqdm(documents, desc=desc):
         ids = torch.tensor(doc[:max_length], device=device)[None]
         if ids.shape[1] < 2:
+            predictions.append(np.zeros(0, dtype=np.int32))
             continue
         hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
-        targets = ids[0, 1:]
-        losses = torch.cat([F.cross_entropy(head(h).float(), t, reduction="none")
-                            for h, t in zip(hidden.split(chunk_size), targets.split(chunk_size))])
-        losses = losses.double().cpu().numpy()
+        losses, argmax = [], []
+        for h, t in zip(hidden.split(chunk_size), ids[0, 1:].split(chunk_size)):
+            logits = head(h).float()
+            losses.append(F.cross_entropy(logits, t, reduction="none"))
+            argmax.append(logits.argmax(-1))
+        losses = torch.cat(losses).double().cpu().numpy()
+        predictions.append(torch.cat(argmax).int().cpu().numpy())
         total[: len(losses)] += losses
         count[: len(losses)] += 1
     with np.errstate(invalid="ignore"):
-        return total / count, count
+        return total / count, count, predictions
+
+
+def per_token_loss(model, documents, max_length, device=None, chunk_size=4096, desc="per-token loss"):
+    """(loss, count) of `loss_and_predictions`."""
+    loss, count, _ = loss_and_predictions(model, documents, max_length, device, chunk_size, desc)
+    return loss, count
+
+
+def top1_agreement(predictions, reference):
+    """A(i): the fraction of documents whose top-1 prediction at position i equals the reference model's, from
+    `loss_and_predictions` of two models on the same documents; NaN where no document reaches i."""
+    if len(predictions) != len(reference):
+        raise ValueError(f"{len(predictions)} documents against the reference's {len(reference)}")
+    length = max((len(r) for r in reference), default=0)
+    hits, count = np.zeros(length), np.zeros(length)
+    for p, r in zip(predictions, reference):
+        if len(p) != len(r):
+            raise ValueError(f"predictions of {len(p)} positions against the reference's {len(r)}: not the same "
+                             "documents")
+        hits[: len(r)] += p == r
+        count[: len(r)] += 1
+    with np.errstate(invalid="ignore"):
+        return hits / count
 
 
 def smooth(curve, window=101):
@@ -84,6 +118,14 @@ def band_means(curve, edges):
     return {band: None if np.isnan(mean) else mean for band, mean in means.items()}
 
 
+def band_edges(max_length, *contexts):
+    """Position band edges: 0, 512, 2048 and its doubles below `max_length`, each given context (a training or the
+    original model's context) and `max_length`."""
+    edges = {0, 512, max_length} | {c for c in contexts if c}
+    edges |= {2048 * 2**k for k in range(int(np.log2(max(max_length, 2048) / 2048)) + 1)}
+    return sorted(e for e in edges if e <= max_length)
+
+
 def mask_sparse_positions(curve, count, min_documents):
     """`curve` with NaN where fewer than `min_documents` documents reach the position: the tail of L(i), where one
     or two documents remain, is noise rather than a trend."""
@@ -92,14 +134,8 @@ def mask_sparse_positions(curve, count, min_documents):
     return curve
 
 
-def plot_per_token_loss(curves, path, train_context=None, original_context=None, window=101):
-    """One line per model (smoothed L(i)), log-scaled positions, training contexts marked; saved as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+def draw_per_token_loss(ax, curves, train_context=None, original_context=None, window=101, title="Per-token loss"):
+    """One line per model (smoothed L(i)) on `ax`, log-scaled positions, training contexts marked."""
     longest = max(len(curve) for curve in curves.values())
     for name, curve in curves.items():
         positions = np.arange(1, len(curve) + 1)
@@ -111,55 +147,169 @@ def plot_per_token_loss(curves, path, train_context=None, original_context=None,
     ax.set_xscale("log")
     ax.set_xlabel("token position i")
     ax.set_ylabel(f"loss L(i) (moving average over {window} tokens)")
-    ax.set_title("Per-token loss")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+
+
+def save_figure(fig, path):
+    """Save a matplotlib figure as PNG through a temporary file (a reader never sees half a file) and close it."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    fig.savefig(partial, dpi=120, format="png")
+    pyplot().close(fig)
+    os.replace(partial, path)
     return path
 
 
-def compare_per_token_loss(sources, documents, max_length, dtype=None, device=None):
-    """L(i) of several models on the same documents: ({label: curve}, count). `sources`: {label: folder, Hub id or
-    .gguf file}; models are loaded one at a time."""
-    curves, count = {}, None
-    for label, source in sources.items():
-        model, _ = load_causal_lm(source, dtype=dtype, device=device, with_tokenizer=False)
-        curves[label], count = per_token_loss(model, documents, max_length, desc=label)
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_per_token_loss(curves, path, train_context=None, original_context=None, window=101):
+    """One line per model (smoothed L(i)), log-scaled positions, training contexts marked; saved as PNG."""
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
+    draw_per_token_loss(ax, curves, train_context, original_context, window)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def plot_domains(curves_by_domain, path, train_context=None, original_context=None, window=101):
+    """`plot_per_token_loss` with one panel per domain ({domain: {model: L(i)}}), side by side."""
+    fig, axes = pyplot().subplots(1, len(curves_by_domain), figsize=(6.5 * len(curves_by_domain), 4.5),
+                                  squeeze=False)
+    for ax, (domain, curves) in zip(axes[0], curves_by_domain.items()):
+        draw_per_token_loss(ax, curves, train_context, original_context, window, title=f"Per-token loss: {domain}")
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def evaluate_models(models, documents, max_length, reference=None, dtype=None, device=None):
+    """Per-token loss of several models on several domains' documents, and each model's top-1 agreement with
+    `reference`, from the same forward passes.
+
+    `models`: {label: a loaded model, or a folder / Hub id / .gguf file, loaded one at a time with `dtype` and
+    `device`}; `documents`: {domain: token id lists}; `reference`: the label of the model (the original) whose
+    top-1 predictions the others' are compared with, or None.
+
+    Returns {domain: {"loss": {label: L(i)}, "agreement": {label: A(i)} (models other than the reference),
+    "count": documents per position}}; see `loss_and_predictions` and `top1_agreement`.
+    """
+    if reference is not None and reference not in models:
+        raise ValueError(f"reference {reference!r} is none of the models ({', '.join(models)})")
+    results = {domain: {"loss": {}, "agreement": {}, "count": None} for domain in documents}
+    reference_predictions = {}
+    for label in sorted(models, key=lambda label: label != reference):  # the reference's predictions come first
+        source = models[label]
+        if isinstance(source, torch.nn.Module):
+            model = source
+        else:
+            model, _ = load_causal_lm(source, dtype=dtype, device=device, with_tokenizer=False)
+        for domain, docs in documents.items():
+            desc = label if domain is None else f"{label}: {domain}"
+            loss, count, predictions = loss_and_predictions(model, docs, max_length, desc=desc)
+            results[domain]["loss"][label], results[domain]["count"] = loss, count
+            if label == reference:
+                reference_predictions[domain] = predictions
+            elif reference is not None:
+                results[domain]["agreement"][label] = top1_agreement(predictions, reference_predictions[domain])
         del model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return curves, count
+    for result in results.values():  # in the order of `models`
+        result["loss"] = {label: result["loss"][label] for label in models}
+    return results
+
+
+def compare_per_token_loss(sources, documents, max_length, dtype=None, device=None):
+    """L(i) of several models on the same documents: ({label: curve}, count). `sources`: {label: folder, Hub id,
+    .gguf file or loaded model}; models are loaded one at a time."""
+    result = evaluate_models(sources, {None: documents}, max_length, dtype=dtype, device=device)[None]
+    return result["loss"], result["count"]
+
+
+def domain_report(losses, count, edges, min_documents, agreement=None):
+    """The JSON section of one domain and the curves to plot: band means of L(i) (and of A(i)) over positions that
+    at least `min_documents` documents reach (all documents, where there are fewer), raw L(i) per position."""
+    min_documents = int(min(min_documents, count.max(initial=0)))
+    shown = {label: mask_sparse_positions(curve, count, min_documents) for label, curve in losses.items()}
+    section = {
+        "documents": int(count.max(initial=0)), "min_documents": min_documents,
+        "documents_per_position": count.astype(int).tolist(),
+        "bands": {label: band_means(curve, edges) for label, curve in shown.items()},
+        "agreement_bands": {label: band_means(mask_sparse_positions(curve, count, min_documents), edges)
+                            for label, curve in (agreement or {}).items()},
+        "per_token_loss": {label: [None if np.isnan(x) else float(x) for x in curve]
+                           for label, curve in losses.items()},
+    }
+    return section, shown
+
+
+def write_evaluation_report(results, json_path, png_path, train_context=None, original_context=None,
+                            min_documents=3, reference=None, **metadata):
+    """The JSON and the PNG (one panel per domain) of `evaluate_models`' results.
+
+    JSON: the metadata, then under "domains" each domain's documents per position, band means of loss ("bands")
+    and of top-1 agreement with `reference` ("agreement_bands"), and the raw L(i) (null where no document reaches).
+    Band means and plot leave out positions reached by fewer than `min_documents` documents. Returns
+    {domain: {"loss": band means, "agreement": band means}} for `format_report`.
+    """
+    max_length = len(next(iter(results.values()))["count"]) + 1
+    edges = band_edges(max_length, original_context, train_context)
+    sections, shown = {}, {}
+    for domain, result in results.items():
+        sections[domain], shown[domain] = domain_report(result["loss"], result["count"], edges, min_documents,
+                                                        result.get("agreement"))
+    write_json({**metadata, "max_length": max_length, "train_context": train_context,
+                "original_context": original_context, "reference": reference, "domains": sections}, json_path)
+    plot_domains(shown, png_path, train_context=train_context, original_context=original_context)
+    return {domain: {"loss": section["bands"], "agreement": section["agreement_bands"]}
+            for domain, section in sections.items()}
 
 
 def write_per_token_loss_report(curves, count, json_path, png_path, train_context=None, original_context=None,
                                 min_documents=3, **metadata):
-    """The JSON (raw curves, documents per position, band means) and the PNG plot of a per-token loss comparison.
+    """The JSON (raw curves, documents per position, band means) and the PNG plot of a per-token loss comparison on
+    one set of documents (`write_evaluation_report` for several domains and top-1 agreement).
 
     Plot and band means leave out positions reached by fewer than `min_documents` documents; the JSON keeps every
     raw value (null where no document reaches). Returns the band means {label: {"a-b": mean}}.
     """
     max_length = len(count) + 1
-    edges = sorted({0} | {e for e in (512, 2048, original_context, train_context, max_length) if e and e <= max_length})
-    shown = {label: mask_sparse_positions(curve, count, min_documents) for label, curve in curves.items()}
-    bands = {label: band_means(curve, edges) for label, curve in shown.items()}
-    raw = {label: [None if np.isnan(x) else float(x) for x in curve] for label, curve in curves.items()}
+    section, shown = domain_report(curves, count, band_edges(max_length, original_context, train_context),
+                                   min_documents)
+    del section["agreement_bands"], section["documents"]
     write_json({**metadata, "max_length": max_length, "train_context": train_context,
-                "original_context": original_context, "min_documents": min_documents,
-                "documents_per_position": count.astype(int).tolist(), "bands": bands, "per_token_loss": raw},
-               json_path)
+                "original_context": original_context, **section}, json_path)
     plot_per_token_loss(shown, png_path, train_context=train_context, original_context=original_context)
-    return bands
+    return section["bands"]
 
 
-def format_bands(bands):
+def format_bands(bands, value_format="{:.3f}"):
     """The band means as a text table, one row per model."""
     header = next(iter(bands.values()))
     lines = [f"{'model':<34}" + "".join(f"{band:>13}" for band in header)]
     for label, row in bands.items():
-        lines.append(f"{label:<34}" + "".join(f"{'-' if v is None else f'{v:.3f}':>13}" for v in row.values()))
+        lines.append(f"{label:<34}" + "".join(f"{'-' if v is None else value_format.format(v):>13}"
+                                             for v in row.values()))
     return "\n".join(lines)
+
+
+def format_report(report, reference=None):
+    """`write_evaluation_report`'s band means as text: per domain, mean loss by position band, then top-1
+    agreement with `reference`."""
+    parts = []
+    for domain, bands in report.items():
+        parts.append(f"{domain}: mean loss by position band\n{format_bands(bands['loss'])}")
+        if bands["agreement"]:
+            parts.append(f"{domain}: top-1 agreement with {reference}\n"
+                         f"{format_bands(bands['agreement'], '{:.1%}')}")
+    return "\n\n".join(parts)
 
 
 NEEDLE_QUESTION = "What is the best thing to do in San Francisco? Answer: The best thing to do in San Francisco is"
@@ -195,14 +345,26 @@ def needle_in_a_haystack(model, tokenizer, haystack_ids, context_lengths, depths
     return scores
 
 
+def needle_haystack(tokenizer, length, domain="prose", corpus_dir=None):
+    """`length` token ids of a domain's held-out text ("prose", "docs", "code"; see `foxlm.data`), the filler that
+    `needle_in_a_haystack` cuts its prompts from."""
+    from .data import held_out_documents
+
+    return held_out_documents(tokenizer, domain, length, num_docs=1, corpus_dir=corpus_dir)[0]
+
+
+def needle_summary(scores, context_lengths, depths):
+    """The JSON-ready result of `needle_in_a_haystack`: the score grid, the overall accuracy and the accuracy at each
+    context length (over depths)."""
+    scores = np.asarray(scores)
+    return {"context_lengths": list(context_lengths), "depths": list(depths), "scores": scores.tolist(),
+            "accuracy": float(scores.mean()),
+            "accuracy_by_context": {str(c): float(scores[:, i].mean()) for i, c in enumerate(context_lengths)}}
+
+
 def plot_needle(scores, context_lengths, depths, path, title="Needle in a haystack (easy mode)"):
     """Heatmap of pass (1) / fail (0) over depth (rows) and context length (columns); saved as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(1 + 0.6 * len(context_lengths), 1 + 0.4 * len(depths)))
+    fig, ax = pyplot().subplots(figsize=(1 + 0.6 * len(context_lengths), 1 + 0.4 * len(depths)))
     ax.imshow(scores, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(len(context_lengths)), [f"{c // 1024}k" if c >= 1024 else str(c) for c in context_lengths])
     ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
@@ -210,11 +372,13 @@ def plot_needle(scores, context_lengths, depths, path, title="Needle in a haysta
     ax.set_ylabel("needle depth")
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_json(data, path):
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    """Write JSON through a temporary file and a rename: a reader never sees half a file."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(partial, path)
     return path

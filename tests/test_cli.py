@@ -46,32 +46,39 @@ def saved_models(tmp_path):
 
 def test_eval_per_token_loss_compares_models_and_matches_the_library_function(saved_models, capsys):
     from foxlm.data import tokenize_documents
-    from foxlm.evaluation import load_causal_lm, per_token_loss
+    from foxlm.evaluation import load_causal_lm, loss_and_predictions, top1_agreement
 
     out = saved_models / "eval"
+    data = str(saved_models / "docs" / "*.txt")
     main(["eval", "per-token-loss", str(saved_models / "fox"), str(saved_models / "llama"), "--labels",
-          "fox,llama", "--data", str(saved_models / "docs" / "*.txt"), "--max-length", "200", "--train-context",
-          "100", "--output-dir", str(out)])
+          "fox,llama", "--data", data, "--max-length", "200", "--train-context", "100", "--output-dir", str(out)])
     result = json.loads((out / "per_token_loss.json").read_text())
     assert (out / "per_token_loss.png").read_bytes()[:4] == b"\x89PNG"
-    assert set(result["per_token_loss"]) == {"llama", "fox"} and result["documents"] == 3
-    assert list(result["bands"]["fox"]) == ["0-100", "100-200"]
-    # The CLI's curve is the library's on the same documents (longest first: all three here), tokenized by the
+    assert result["reference"] == "fox" and list(result["domains"]) == [data]  # the first model is the reference
+    domain = result["domains"][data]
+    assert set(domain["per_token_loss"]) == {"llama", "fox"} and domain["documents"] == 3
+    assert list(domain["bands"]["fox"]) == ["0-100", "100-200"] and list(domain["agreement_bands"]) == ["llama"]
+    # The CLI's curves are the library's on the same documents (longest first: all three here), tokenized by the
     # first MODEL's tokenizer.
     model, tokenizer = load_causal_lm(saved_models / "fox")
     docs = tokenize_documents(tokenizer, [(saved_models / "docs" / f"doc{i}.txt").read_text() for i in (2, 1, 0)],
                               add_bos=False, add_eos=False)
-    expected, count = per_token_loss(model, docs, 200)
-    np.testing.assert_allclose(result["per_token_loss"]["fox"], expected, rtol=1e-5)
-    assert result["documents_per_position"] == count.tolist()
+    expected, count, fox_predictions = loss_and_predictions(model, docs, 200)
+    np.testing.assert_allclose(domain["per_token_loss"]["fox"], expected, rtol=1e-5)
+    assert domain["documents_per_position"] == count.tolist()
+    llama_predictions = loss_and_predictions(load_causal_lm(saved_models / "llama")[0], docs, 200)[2]
+    agreement = top1_agreement(llama_predictions, fox_predictions)
+    assert domain["agreement_bands"]["llama"]["0-100"] == pytest.approx(np.mean(agreement[:100]))
     table = capsys.readouterr().out
-    assert "0-100" in table and "\nllama " in table
+    assert "0-100" in table and "\nllama " in table and "top-1 agreement with fox" in table
 
     with pytest.raises(SystemExit, match="--force"):  # results are not replaced silently
-        main(["eval", "per-token-loss", str(saved_models / "fox"), "--data", str(saved_models / "docs" / "*.txt"),
-              "--output-dir", str(out)])
+        main(["eval", "per-token-loss", str(saved_models / "fox"), "--data", data, "--output-dir", str(out)])
     with pytest.raises(SystemExit, match="--labels"):
         main(["eval", "per-token-loss", str(saved_models / "fox"), "--labels", "a,b", "--output-dir",
+              str(saved_models / "other")])
+    with pytest.raises(SystemExit, match="--reference 'original' is none"):
+        main(["eval", "per-token-loss", str(saved_models / "fox"), "--reference", "original", "--output-dir",
               str(saved_models / "other")])
 
 
@@ -81,24 +88,42 @@ def test_eval_needle_writes_a_score_grid_and_heatmap(saved_models):
           "--context-lengths", "400,800", "--depths", "0,1", "--output-dir", str(out)])
     result = json.loads((out / "needle.json").read_text())
     assert np.array(result["scores"]).shape == (2, 2) and 0.0 <= result["accuracy"] <= 1.0
+    assert list(result["accuracy_by_context"]) == ["400", "800"]
     assert (out / "needle.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_needle_cuts_its_haystack_from_held_out_prose_by_default(saved_models):
+    out = saved_models / "needle-prose"
+    main(["eval", "needle", str(saved_models / "fox"), "--context-lengths", "300,600", "--depths", "0.5",
+          "--output-dir", str(out)])
+    result = json.loads((out / "needle.json").read_text())
+    assert result["data"] == "prose" and np.array(result["scores"]).shape == (1, 2)
 
 
 def test_eval_per_token_loss_packs_documents_to_the_full_length(saved_models):
     out = saved_models / "packed"
-    main(["eval", "per-token-loss", str(saved_models / "fox"), "--data", str(saved_models / "docs" / "*.txt"),
-          "--pack", "--max-length", "128", "--num-docs", "4", "--output-dir", str(out)])
+    data = str(saved_models / "docs" / "*.txt")
+    main(["eval", "per-token-loss", str(saved_models / "fox"), "--data", data, "--pack", "--max-length", "128",
+          "--num-docs", "4", "--output-dir", str(out)])
     result = json.loads((out / "per_token_loss.json").read_text())
-    assert result["documents"] == 4 and result["documents_per_position"] == [4] * 127
+    assert result["domains"][data]["documents"] == 4 and result["domains"][data]["documents_per_position"] == [4] * 127
 
 
-def test_eval_per_token_loss_defaults_to_held_out_stdlib_documents(saved_models):
-    out = saved_models / "stdlib"
-    main(["eval", "per-token-loss", str(saved_models / "fox"), "--labels", "fox", "--max-length", "256",
-          "--num-docs", "2", "--output-dir", str(out)])
+def test_eval_per_token_loss_defaults_to_the_three_held_out_domains(saved_models, capsys):
+    from foxlm.cli import build_parser
+
+    assert build_parser().parse_args(["eval", "per-token-loss", "m"]).data == "code,docs,prose"
+    out = saved_models / "domains"
+    main(["eval", "per-token-loss", str(saved_models / "fox"), str(saved_models / "fox"), "--labels", "a,b",
+          "--reference", "b", "--data", "stdlib,prose", "--max-length", "256", "--num-docs", "2", "--output-dir",
+          str(out)])
     result = json.loads((out / "per_token_loss.json").read_text())
-    assert result["data"] == "stdlib" and result["documents_per_position"] == [2] * 255
-    assert result["bands"]["fox"]["0-256"] is not None  # two documents are all there is: none left out
+    assert result["data"] == "stdlib,prose" and list(result["domains"]) == ["stdlib", "prose"]
+    for domain in result["domains"].values():
+        assert domain["documents_per_position"] == [2] * 255 and domain["min_documents"] == 2
+        assert domain["bands"]["a"]["0-256"] is not None  # two documents are all there is: none left out
+        assert domain["agreement_bands"] == {"a": {"0-256": 1.0}}  # the same model agrees with itself
+    assert "prose: top-1 agreement with b" in capsys.readouterr().out
 
 
 def test_finetune_help_lists_the_example_script_options(capsys):

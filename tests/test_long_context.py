@@ -12,7 +12,7 @@ from peft import PeftModel, get_peft_model
 from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from foxlm.data import (
-    held_out_stdlib_documents,
+    held_out_documents,
     is_held_out,
     pack_into_blocks,
     padding_free_examples,
@@ -24,12 +24,19 @@ from foxlm.data import (
     tokenize_documents,
 )
 from foxlm.evaluation import (
+    band_edges,
     band_means,
+    evaluate_models,
+    format_report,
+    needle_haystack,
     needle_in_a_haystack,
+    needle_summary,
     per_token_loss,
     plot_needle,
     plot_per_token_loss,
     smooth,
+    top1_agreement,
+    write_evaluation_report,
     write_per_token_loss_report,
 )
 from foxlm.training import TrainingBudget, fox_lora_config, optimizer_param_groups
@@ -57,7 +64,7 @@ def test_stdlib_held_out_files_are_never_trained_on_and_fill_long_documents():
     # Enough held-out text for 6 documents of 32k tokens at 4 bytes a token (SmolLM2's tokenizer: 3.6 on this code;
     # 10 documents on Python 3.12, 14 on 3.11).
     assert sum(p.stat().st_size for p in held_out) > 6 * 32768 * 4
-    documents = held_out_stdlib_documents(byte_tokenizer(), 4096, num_docs=5)
+    documents = held_out_documents(byte_tokenizer(), "stdlib", 4096, num_docs=5)
     assert len(documents) == 5 and all(len(doc) == 4096 for doc in documents)
 
 
@@ -233,3 +240,68 @@ def test_needle_scores_have_one_cell_per_depth_and_context(make_config):
     assert scores.shape == (3, 2) and set(np.unique(scores)) <= {0.0, 1.0}
     with pytest.raises(ValueError, match="does not fit"):
         needle_in_a_haystack(model, tokenizer, haystack, context_lengths=[50], depths=[0.5])
+
+
+def test_top1_agreement_with_a_reference_comes_from_the_loss_passes_on_every_domain(make_model):
+    fox, noisy, llama = make_model(), make_model(), tiny_llama()
+    with torch.no_grad():  # a model that agrees with fox at some positions, not all
+        for param in noisy.parameters():
+            param.add_(0.003 * torch.randn_like(param))
+    documents = {"a": [torch.randint(3, 97, (n,)).tolist() for n in (12, 7, 20)],
+                 "b": [torch.randint(3, 97, (n,)).tolist() for n in (16, 9)]}
+    results = evaluate_models({"noisy": noisy, "llama": llama, "fox": fox, "fox again": fox}, documents,
+                              max_length=16, reference="fox")
+    for domain, docs in documents.items():
+        result = results[domain]
+        assert list(result["loss"]) == ["noisy", "llama", "fox", "fox again"]
+        assert set(result["agreement"]) == {"noisy", "llama", "fox again"}
+        curve, count = per_token_loss(noisy, docs, 16)
+        np.testing.assert_allclose(result["loss"]["noisy"], curve)
+        assert result["count"].tolist() == count.tolist()
+        # A(i) from the models' logits directly.
+        same = [(fox(torch.tensor([d[:16]])).logits[0, :-1].argmax(-1)
+                 == noisy(torch.tensor([d[:16]])).logits[0, :-1].argmax(-1)).numpy() for d in docs]
+        expected = [np.mean([s[i] for s in same if len(s) > i]) for i in range(15)]
+        np.testing.assert_allclose(result["agreement"]["noisy"], expected)
+        assert (result["agreement"]["fox again"] == 1).all()
+    assert 0 < np.mean(results["a"]["agreement"]["noisy"]) < 1
+    with pytest.raises(ValueError, match="reference 'original' is none of the models"):
+        evaluate_models({"fox": fox}, documents, max_length=16, reference="original")
+    np.testing.assert_array_equal(top1_agreement([np.array([1, 2, 3]), np.array([4])],
+                                                 [np.array([1, 0, 3]), np.array([4])]), [1.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="not the same documents"):
+        top1_agreement([np.array([1, 2])], [np.array([1])])
+
+
+def test_band_edges_double_from_2k_and_include_the_contexts():
+    assert band_edges(32768, 8192, 16384) == [0, 512, 2048, 4096, 8192, 16384, 32768]
+    assert band_edges(40000, 6000) == [0, 512, 2048, 4096, 6000, 8192, 16384, 32768, 40000]
+    assert band_edges(200, None, 100) == [0, 100, 200]
+
+
+def test_evaluation_report_has_a_section_per_domain_and_is_written_whole(tmp_path):
+    count = np.array([3] * 6 + [2] * 5 + [1] * 4)
+    results = {domain: {"loss": {"orig": np.full(15, 2.0), "fox": np.arange(15, dtype=np.float64)},
+                        "agreement": {"fox": np.linspace(1, 0, 15)}, "count": count} for domain in ("code", "prose")}
+    report = write_evaluation_report(results, tmp_path / "r.json", tmp_path / "r.png", train_context=8,
+                                     min_documents=2, reference="orig", data="code,prose")
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["reference"] == "orig" and saved["data"] == "code,prose"
+    assert list(saved["domains"]) == ["code", "prose"]
+    section = saved["domains"]["prose"]
+    assert section["bands"]["fox"] == {"0-8": pytest.approx(3.5), "8-16": pytest.approx(9.0)}  # positions 8..10
+    assert section["agreement_bands"] == {"fox": {"0-8": pytest.approx(np.linspace(1, 0, 15)[:8].mean()),
+                                                  "8-16": pytest.approx(np.linspace(1, 0, 15)[8:11].mean())}}
+    assert report["code"] == {"loss": section["bands"], "agreement": section["agreement_bands"]}
+    table = format_report(report, "orig")
+    assert "prose: top-1 agreement with orig" in table and "75.0%" in table  # positions 0..7 of the line 1 -> 0
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.png"]  # no partial files left
+
+
+def test_needle_haystack_is_held_out_prose_and_its_summary_has_each_context():
+    tokenizer = byte_tokenizer()
+    haystack = needle_haystack(tokenizer, 600)
+    assert len(haystack) == 600 and tokenizer.decode(haystack).startswith("EMMA\n\nBy Jane Austen")
+    summary = needle_summary(np.array([[1.0, 0.0], [1.0, 1.0]]), [2048, 4096], [0.0, 1.0])
+    assert summary["accuracy"] == 0.75 and summary["accuracy_by_context"] == {"2048": 1.0, "4096": 0.5}
