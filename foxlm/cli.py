@@ -88,15 +88,14 @@ def transfer_options(args):
     from foxlm.conversion.llama import resolve_source
     from foxlm.conversion.output import check_output_dir
     from foxlm.conversion.transfer import document_batches
-    from foxlm.data import read_texts, stdlib_split, text_files, tokenize_documents
+    from foxlm.data import read_texts, text_files, tokenize_documents, training_texts
 
     check_output_dir(args.output_dir, args.force)  # before tokenizing a corpus for nothing
     name_or_path, kwargs = resolve_source(args.source)
     context = getattr(AutoConfig.from_pretrained(name_or_path, **kwargs), "max_position_embeddings", None)
     length = min(args.transfer_length, context or args.transfer_length)
-    paths = text_files(args.transfer_data) if args.transfer_data else stdlib_split()[0]
-    documents = tokenize_documents(AutoTokenizer.from_pretrained(name_or_path, **kwargs), read_texts(paths),
-                                   add_bos=False)
+    texts = read_texts(text_files(args.transfer_data)) if args.transfer_data else training_texts()
+    documents = tokenize_documents(AutoTokenizer.from_pretrained(name_or_path, **kwargs), texts, add_bos=False)
     try:
         batches = document_batches(documents, block_size=length, batch_size=args.transfer_batch_size,
                                    max_blocks=args.transfer_steps * args.transfer_batch_size)
@@ -199,8 +198,8 @@ def add_convert_commands(commands):
     transfer.add_argument("--transfer-steps", type=non_negative_int, default=0,
                           help="optimizer steps; 0 converts without transfer (default: %(default)s)")
     transfer.add_argument("--transfer-data", default=None, metavar="GLOB",
-                          help="text files to run the source on (default: the training split of the Python "
-                               "standard library's sources, as `foxlm finetune`)")
+                          help="text files to run the source on (default: the training text of `foxlm finetune`: "
+                               "code and documentation)")
     transfer.add_argument("--transfer-qk-rank", type=non_negative_int, default=8,
                           help="rank of the q/k updates, merged into the weights; 0 trains the gates only "
                                "(default: %(default)s)")

@@ -52,14 +52,27 @@ def parse_args(argv=None, prog=None):
     stages.add_argument("--skip-eval", action="store_true", help="stop after saving the fine-tuned model")
     stages.add_argument("--eval-only", action="store_true",
                         help="only evaluate the models an earlier run saved in DIR")
-    data = parser.add_argument_group(f"data (default: the Python standard library's sources, {EVAL_PERCENT}% of "
-                                     "the files held out for evaluation)")
+    data = parser.add_argument_group(
+        "data",
+        "Default: code and documentation, mixed (the Python standard library's sources, Python's documentation and "
+        f"the Linux man pages; {EVAL_PERCENT}% of each corpus's files held out by a hash of their path), evaluated "
+        "on the held-out files of each and on English prose used nowhere in training (Jane Austen's novels). The "
+        "documentation and prose come from Debian packages (python3-doc, manpages, manpages-dev, groff-base, "
+        "r-cran-janeaustenr); docs/retrofit.md tells how to carry them to a machine without a package registry.")
     data.add_argument("--text-files", default=None, metavar="GLOB",
-                      help="glob of your own text files (`**` recurses); files are held out by a hash of their path")
+                      help="train on your own text files instead (`**` recurses); files are held out by a hash of "
+                           "their path and evaluated as the domain 'held-out'")
     data.add_argument("--dataset", default=None, metavar="NAME",
-                      help=f"a `datasets` name with a text column; its train split, the first {EVAL_PERCENT}%% "
-                           "held out")
+                      help=f"train on a `datasets` name with a text column instead: its train split, the first "
+                           f"{EVAL_PERCENT}%% held out")
     data.add_argument("--text-column", default="text", help="text column of --dataset (default: %(default)s)")
+    data.add_argument("--eval-domains", default=None, metavar="LIST",
+                      help="comma-separated held-out domains to evaluate on, of code, docs, prose (default: all "
+                           "three with the default data; none besides your held-out files with --text-files or "
+                           "--dataset)")
+    data.add_argument("--corpus-dir", default=None, metavar="DIR",
+                      help="read the Debian corpora from this folder (written by benchmarks/pack_corpus.py) instead "
+                           "of the installed packages (default: $FOXLM_CORPUS_DIR if set)")
     transfer = parser.add_argument_group(
         "attention transfer (stage 1, while converting; docs/retrofit.md)",
         "Each layer's forget gate and a low-rank update of q_proj/k_proj learn to reproduce the original attention "
@@ -109,6 +122,9 @@ def parse_args(argv=None, prog=None):
                             help="plot and average only positions that at least this many documents reach "
                                  "(default: %(default)s)")
     evaluation.add_argument("--skip-original", action="store_true", help="do not evaluate the original model")
+    evaluation.add_argument("--needle", action=argparse.BooleanOptionalAction, default=True,
+                            help="needle-in-a-haystack (easy mode) of the original and the fine-tuned model at 2k "
+                                 "and its doubles up to --eval-length, on held-out prose (default: on)")
     args = parser.parse_args(argv)
     if args.eval_only and args.skip_eval:
         parser.error("--eval-only and --skip-eval leave nothing to do")
@@ -139,33 +155,40 @@ def parse_args(argv=None, prog=None):
 
 
 def load_documents(args, tokenizer):
-    """(train, held-out) token id lists, each document ending with EOS: your data, or the standard library."""
-    from foxlm.data import read_texts, split_files, stdlib_split, text_files, tokenize_documents
+    """(training documents, {domain: held-out documents}) as token id lists, each document ending with EOS."""
+    from foxlm.data import EVAL_DOMAINS, domain_texts, read_texts, split_files, text_files, tokenize_documents
+    from foxlm.data import training_texts
 
+    held_out = {}
     if args.dataset:
         from datasets import load_dataset
 
         texts = load_dataset(args.dataset, split="train")[args.text_column]
         held = max(1, len(texts) * EVAL_PERCENT // 100)
-        train_texts, eval_texts = texts[held:], texts[:held]
-    else:
-        train_paths, eval_paths = split_files(text_files(args.text_files)) if args.text_files else stdlib_split()
+        train_texts, held_out["held-out"] = texts[held:], texts[:held]
+    elif args.text_files:
+        train_paths, eval_paths = split_files(text_files(args.text_files))
         if not train_paths or not eval_paths:
             sys.exit(f"error: --text-files {args.text_files!r}: the split by path held out {len(eval_paths)} of "
                      f"{len(train_paths) + len(eval_paths)} files; give more files")
-        train_texts, eval_texts = read_texts(train_paths), read_texts(eval_paths)
+        train_texts, held_out["held-out"] = read_texts(train_paths), read_texts(eval_paths)
+    else:
+        train_texts = training_texts(corpus_dir=args.corpus_dir)
+    domains = args.eval_domains.split(",") if args.eval_domains else [] if held_out else list(EVAL_DOMAINS)
+    for domain in domains:
+        held_out[domain] = domain_texts(domain, True, args.corpus_dir)
     return (tokenize_documents(tokenizer, train_texts, add_bos=False),
-            tokenize_documents(tokenizer, eval_texts, add_bos=False))
+            {domain: tokenize_documents(tokenizer, texts, add_bos=False) for domain, texts in held_out.items()})
 
 
-def blocks_of(documents, length, flag):
+def blocks_of(documents, length, flag, what=""):
     """Documents packed and cut into `length`-token blocks (a list of lists), or a clear error naming `flag`."""
     from foxlm.data import pack_into_blocks
 
     try:
         return pack_into_blocks(documents, length).tolist()
     except ValueError as error:
-        sys.exit(f"error: {flag} {length}: {error}; lower it or give more data")
+        sys.exit(f"error: {flag} {length}: {what}{error}; lower it or give more data")
 
 
 def source_context(source_config, args):
@@ -264,33 +287,75 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
     (run_dir / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=2) + "\n")
 
 
+ORIGINAL, CONVERTED, FINE_TUNED = "original (RoPE)", "converted, before fine-tuning", "converted, fine-tuned"
+
+
 def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, context):
+    """Per-token loss and top-1 agreement with the original on every held-out domain, and the needle test; written
+    to DIR/evaluation.json and .png, DIR/needle.json, and the headline numbers to DIR/summary.json."""
     import numpy as np
     import torch
 
-    from foxlm.evaluation import compare_per_token_loss, format_bands, mask_sparse_positions, \
-        write_per_token_loss_report
+    from foxlm.evaluation import evaluate_models, format_report, write_evaluation_report, write_json
 
     on_gpu = torch.cuda.is_available()
-    models = {} if args.skip_original else {"original (RoPE)": source}
-    models.update({"converted, before fine-tuning": converted_dir, "converted, fine-tuned": fine_tuned_dir})
-    curves, count = compare_per_token_loss(models, held_out, args.eval_length,
-                                           dtype=torch.bfloat16 if on_gpu else torch.float32,
-                                           device="cuda" if on_gpu else "cpu")
-    png = run_dir / "per_token_loss.png"
-    min_documents = min(args.min_documents, len(held_out))
-    bands = write_per_token_loss_report(
-        curves, count, run_dir / "per_token_loss.json", png, train_context=args.context,
-        original_context=context, min_documents=min_documents, documents=len(held_out),
-    )
-    print(f"\nper-token loss on {len(held_out)} held-out documents of {args.eval_length} tokens, mean by position "
-          f"band:\n{format_bands(bands)}")
+    dtype, device = (torch.bfloat16, "cuda") if on_gpu else (torch.float32, "cpu")
+    models = {} if args.skip_original else {ORIGINAL: source}
+    models.update({CONVERTED: converted_dir, FINE_TUNED: fine_tuned_dir})
+    reference = None if args.skip_original else ORIGINAL
+    results = evaluate_models(models, held_out, args.eval_length, reference=reference, dtype=dtype, device=device)
+    png = run_dir / "evaluation.png"
+    report = write_evaluation_report(results, run_dir / "evaluation.json", png, train_context=args.context,
+                                     original_context=context, min_documents=args.min_documents, reference=reference,
+                                     documents={domain: len(docs) for domain, docs in held_out.items()})
+    print(f"\nheld-out documents of {args.eval_length} tokens\n{format_report(report, reference)}")
+    summary = {"arguments": {k: v for k, v in vars(args).items() if k != "func"}, "domains": report}
     if not args.skip_original:
         within = min(context or args.eval_length, args.eval_length)
-        a, c = (np.nanmean(mask_sparse_positions(curves[label], count, min_documents)[:within])
-                for label in ("original (RoPE)", "converted, fine-tuned"))
-        print(f"fine-tuned vs original at positions < {within}: {c / a - 1:+.1%}")
+        summary["within_original_context"] = within
+        for domain, result in results.items():
+            original, fine_tuned = (np.nanmean(result["loss"][label][:within]) for label in (ORIGINAL, FINE_TUNED))
+            agreement = np.nanmean(result["agreement"][FINE_TUNED][:within])
+            summary.setdefault("vs_original", {})[domain] = {"loss_change": fine_tuned / original - 1,
+                                                             "top1_agreement": agreement}
+            print(f"{domain}: fine-tuned vs original at positions < {within}: loss {fine_tuned / original - 1:+.1%}, "
+                  f"top-1 agreement {agreement:.1%}")
+    if args.needle:
+        summary["needle"] = needle(args, {} if args.skip_original else {ORIGINAL: source}, fine_tuned_dir, held_out,
+                                   run_dir, dtype, device)
+    log_path = run_dir / "train_log.json"
+    if log_path.exists():
+        log = json.loads(log_path.read_text())
+        summary["training"] = {"steps": max((e.get("step", 0) for e in log), default=0),
+                               "seconds": next((e["train_runtime"] for e in log if "train_runtime" in e), None)}
+    write_json(summary, run_dir / "summary.json")
     print(f"plot: {png}")
+
+
+def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device):
+    """Needle-in-a-haystack accuracy by context length of the original and the fine-tuned model."""
+    from foxlm.evaluation import load_causal_lm, needle_in_a_haystack, needle_summary, write_json
+
+    lengths = [2048 * 2**k for k in range(8) if 2048 * 2**k <= args.eval_length] or [args.eval_length]
+    depths = [0.0, 0.25, 0.5, 0.75, 1.0]
+    domain = "prose" if "prose" in held_out else next(iter(held_out))
+    haystack = [token for document in held_out[domain] for token in document]
+    results = {}
+    for label, source in {**originals, FINE_TUNED: fine_tuned_dir}.items():
+        model, tokenizer = load_causal_lm(source, dtype=dtype, device=device)
+        try:
+            scores = needle_in_a_haystack(model, tokenizer, haystack, lengths, depths)
+        except ValueError as error:
+            print(f"needle test skipped: {error}")
+            return None
+        results[label] = needle_summary(scores, lengths, depths)
+        del model
+    write_json({"haystack": domain, "models": results}, run_dir / "needle.json")
+    for label, result in results.items():
+        by_length = ", ".join(f"{int(c) // 1024}k: {a:.0%}" if int(c) >= 1024 else f"{c}: {a:.0%}"
+                              for c, a in result["accuracy_by_context"].items())
+        print(f"needle in a haystack ({domain}), {label}: {by_length}")
+    return {label: result["accuracy_by_context"] for label, result in results.items()}
 
 
 def main(argv=None, prog=None):
@@ -310,10 +375,14 @@ def main(argv=None, prog=None):
     name_or_path, kwargs = resolve_source(source)
     context = source_context(AutoConfig.from_pretrained(name_or_path, **kwargs), args)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
-    train_docs, held_out = load_documents(args, tokenizer)
+    try:
+        train_docs, held_out = load_documents(args, tokenizer)
+    except (FileNotFoundError, ValueError) as error:  # a corpus not installed, an unknown domain
+        sys.exit(f"error: {error}")
     # Long sequences by packing: files in order, EOS between them, cut into blocks (foxlm.data explains why).
     if not args.skip_eval:
-        held_out = evenly_spaced(blocks_of(held_out, args.eval_length, "--eval-length"), args.eval_docs)
+        held_out = {domain: evenly_spaced(blocks_of(docs, args.eval_length, "--eval-length", f"held-out {domain} "),
+                                          args.eval_docs) for domain, docs in held_out.items()}
     if not args.eval_only:
         if args.force or not converted_dir.exists():
             convert(args, source, converted_dir, train_docs, context)

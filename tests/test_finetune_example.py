@@ -32,18 +32,30 @@ def llama_and_corpus(tmp_path_factory):
 
 def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_and_corpus, capsys):
     root = llama_and_corpus
-    foxlm(["finetune", *finetune_args(root, "lora", "--gradient-checkpointing")])
+    foxlm(["finetune", *finetune_args(root, "lora", "--gradient-checkpointing", "--eval-domains", "prose",
+                                      "--eval-length", "512")])
     run = root / "lora"
     for name in ("converted/config.json", "adapter/adapter_model.safetensors", "fine-tuned/model.safetensors",
-                 "fine-tuned/tokenizer.json", "train_log.json", "per_token_loss.png", "per_token_loss.json"):
+                 "fine-tuned/tokenizer.json", "train_log.json", "evaluation.png", "evaluation.json", "needle.json",
+                 "summary.json"):
         assert (run / name).exists(), name
-    result = json.loads((run / "per_token_loss.json").read_text())
-    assert set(result["bands"]) == LABELS and result["documents"] == 3
-    assert list(result["bands"]["converted, fine-tuned"]) == ["0-128", "128-256"]  # original and training context
-    assert all(len(curve) == 255 for curve in result["per_token_loss"].values())
+    result = json.loads((run / "evaluation.json").read_text())
+    assert result["reference"] == "original (RoPE)" and set(result["domains"]) == {"held-out", "prose"}
+    for domain in result["domains"].values():
+        assert set(domain["bands"]) == LABELS and domain["documents"] == 3
+        assert list(domain["bands"]["converted, fine-tuned"]) == ["0-128", "128-512"]  # original context, length
+        assert set(domain["agreement_bands"]) == LABELS - {"original (RoPE)"}
+        assert all(len(curve) == 511 for curve in domain["per_token_loss"].values())
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["within_original_context"] == 128 and summary["training"]["steps"] == 3
+    assert set(summary["vs_original"]) == {"held-out", "prose"}
+    assert all(0 <= v["top1_agreement"] <= 1 for v in summary["vs_original"].values())
+    assert set(summary["needle"]) == {"original (RoPE)", "converted, fine-tuned"}
+    assert json.loads((run / "needle.json").read_text())["haystack"] == "prose"
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[-1] == f"plot: {run / 'per_token_loss.png'}" and out[-2].startswith("fine-tuned vs original")
-    assert any(line.startswith("converted, fine-tuned ") for line in out[-6:])
+    assert out[-1] == f"plot: {run / 'evaluation.png'}"
+    assert any(line.startswith("prose: fine-tuned vs original at positions < 128: loss ") for line in out)
+    assert any(line.startswith("needle in a haystack (prose), converted, fine-tuned: 512") for line in out)
     # The recipe's stages: attention transfer while converting, distillation from the original while fine-tuning.
     assert "Attention transfer: 4 steps" in (run / "converted" / "README.md").read_text()
     logged = [entry for entry in json.loads((run / "train_log.json").read_text()) if "loss" in entry]
@@ -57,16 +69,16 @@ def test_full_finetuning_and_evaluation_run_as_two_invocations_within_a_time_bud
     foxlm(["finetune", *finetune_args(root, "full", "--full", "--steps", "50", "--max-minutes", "1e-6",
                                       "--skip-eval")])
     assert "budget ended training after 1 steps" in capsys.readouterr().out
-    assert not (run / "per_token_loss.json").exists() and not (run / "adapter").exists()
+    assert not (run / "evaluation.json").exists() and not (run / "adapter").exists()
     # The fine-tuned folder is a complete model: it loads with the Auto classes and generates.
     model = AutoModelForCausalLM.from_pretrained(run / "fine-tuned")
     tokenizer = AutoTokenizer.from_pretrained(run / "fine-tuned")
     prompt = tokenizer("def ", return_tensors="pt")
     assert model.generate(**prompt, max_new_tokens=4, do_sample=False).shape[1] == prompt["input_ids"].shape[1] + 4
 
-    foxlm(["finetune", *finetune_args(root, "full", "--eval-only", "--skip-original")])
-    result = json.loads((run / "per_token_loss.json").read_text())
-    assert set(result["bands"]) == LABELS - {"original (RoPE)"}
+    foxlm(["finetune", *finetune_args(root, "full", "--eval-only", "--skip-original", "--no-needle")])
+    result = json.loads((run / "evaluation.json").read_text())
+    assert set(result["domains"]["held-out"]["bands"]) == LABELS - {"original (RoPE)"}
 
 
 def test_resume_continues_from_the_last_checkpoint(llama_and_corpus):
