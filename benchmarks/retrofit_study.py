@@ -87,6 +87,9 @@ def main():
         parser.error(f"--recipes: unknown {', '.join(unknown)}; choose from {', '.join(RECIPES)}")
     common = [a for a in args.finetune_args if a != "--"] + (["--model", args.model] if args.model else [])
     finetune.load_documents = cached_documents()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    path = Path(args.results) / f"retrofit_study_{device.replace(' ', '_')}_{time.strftime('%Y%m%d-%H%M')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     runs = {}
     for name in recipes:
         run_dir = Path(args.output_dir) / name
@@ -97,11 +100,8 @@ def main():
         runs[name] = {"options": options, "seconds": round(time.time() - start, 1),
                       "summary": json.loads((run_dir / "summary.json").read_text())}
         print(table(runs))
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    path = Path(args.results) / f"retrofit_study_{device.replace(' ', '_')}_{time.strftime('%Y%m%d-%H%M')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"device": device, "torch": torch.__version__, "minutes": args.minutes,
-                                "runs": runs, "table": table(runs)}, indent=2) + "\n")
+        path.write_text(json.dumps({"device": device, "torch": torch.__version__, "minutes": args.minutes,
+                                    "runs": runs, "table": table(runs)}, indent=2) + "\n")  # after every recipe
     print(f"\n{table(runs)}\n\nwrote {path}")
 
 
