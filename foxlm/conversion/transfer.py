@@ -104,8 +104,9 @@ def capture_attention(teacher, input_ids):
     try:
         for index, layer in enumerate(layers):
             handles.append(layer.self_attn.register_forward_hook(hook(index), with_kwargs=True))
-        device = teacher.get_input_embeddings().weight.device
-        teacher.base_model(input_ids=input_ids.to(device), use_cache=False)
+        embeddings = teacher.get_input_embeddings()
+        with autocast_like(embeddings):
+            teacher.base_model(input_ids=input_ids.to(embeddings.weight.device), use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
@@ -126,7 +127,7 @@ def layer_errors(student, captured_inputs, captured_outputs):
         if rotary is not None:
             positions = torch.arange(hidden.shape[1], device=device)[None]
             position_embeddings = tuple(t.to(device) for t in rotary(hidden, positions))
-        with autocast_like(attention):
+        with autocast_like(attention.v_proj):
             output, _ = attention(hidden, layout=FoxAttentionLayout(), position_embeddings=position_embeddings)
         yield (output.float() - target).square().sum(), target.square().sum()
 
@@ -138,12 +139,14 @@ def fox_attention_layers(student):
     return layers
 
 
-def autocast_like(attention):
-    """Autocast to the dtype of the attention's frozen weights when it is a half type: the trained parameters are
-    fp32 during the transfer (master weights), the computation keeps the model's precision."""
-    weight = attention.v_proj.weight
-    half = weight.dtype in (torch.float16, torch.bfloat16)
-    return torch.autocast(weight.device.type, dtype=weight.dtype, enabled=half)
+def autocast_like(module):
+    """Autocast to the compute dtype of `module`'s weights: their own dtype when it is a half type; bf16 for fp32
+    weights on a GPU, where the attention kernels run in half precision (the trained parameters stay fp32 master
+    weights either way); no autocast for fp32 weights on a CPU."""
+    weight = next(module.parameters())
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        return torch.autocast(weight.device.type, dtype=weight.dtype)
+    return torch.autocast(weight.device.type, dtype=torch.bfloat16, enabled=weight.device.type == "cuda")
 
 
 @torch.no_grad()
@@ -186,8 +189,8 @@ def transfer_attention(teacher, student, batches, *, steps, lr=DEFAULT_LR, qk_ra
 
     Trained: each layer's forget gate (`fgate_proj` weight and bias), in fp32 (cast back to the model's dtype at the
     end), plus the q/k updates with `qk_rank`; every other tensor stays bit-identical. The student runs in eval mode
-    (no dropout) and gets back its training mode and `requires_grad` flags at the end. Computation autocasts to the
-    model's dtype when it is bf16 or fp16.
+    (no dropout) and gets back its training mode and `requires_grad` flags at the end. Teacher and student compute
+    under autocast: to the model's dtype when it is bf16 or fp16, to bf16 for an fp32 model on a GPU.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"`steps` must be a non-negative integer, got {steps!r}.")
