@@ -9,10 +9,12 @@ needs both, so it happens at whichever comes first:
   `AutoModelForCausalLM.from_pretrained(fox_folder)` finds foxlm's classes, as it did when `import foxlm`
   registered eagerly.
 
+Registering also registers the LoRA target modules of model_type "fox" with PEFT (`foxlm.training`).
+
 For the second, transformers' `configuration_auto` module is watched: once it is loaded, its `CONFIG_MAPPING` is given
 a subclass whose look-ups register foxlm first and then hand the mapping its own class back. A look-up while a module
-of transformers or foxlm is still being imported waits for the next one: registering then could import a module that
-is half-initialised.
+of transformers, PEFT or foxlm is still being imported waits for the next one: registering then could import a
+module that is half-initialised.
 """
 
 import importlib
@@ -34,6 +36,7 @@ def register():
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from . import training  # noqa: F401  (registers the LoRA target modules of model_type "fox" with PEFT)
     from .configuration_fox import FoxConfig
     from .modeling_fox import FoxForCausalLM, FoxForSequenceClassification, FoxModel
 
@@ -49,9 +52,9 @@ def register():
 
 
 def _importing():
-    """Whether a module of transformers or foxlm is being imported (its body has not finished running)."""
+    """Whether a module that `register` imports from is being imported (its body has not finished running)."""
     for name, module in list(sys.modules.items()):
-        if name.partition(".")[0] in ("transformers", "foxlm"):
+        if name.partition(".")[0] in ("transformers", "foxlm", "peft"):
             if getattr(getattr(module, "__spec__", None), "_initializing", False):
                 return True
     return False
