@@ -283,14 +283,16 @@ def add_eval_commands(commands):
                             help="'stdlib' (the default: the Python standard library files that fine-tuning holds "
                                  "out, packed into long documents), a glob of text files, or a `datasets` name")
         parser.add_argument("--split", default="validation", help="split of a `datasets` --data (default: %(default)s)")
-        parser.add_argument("--text-column", default="text", help="text column of a `datasets` --data (default: %(default)s)")
+        parser.add_argument("--text-column", default="text",
+                            help="text column of a `datasets` --data (default: %(default)s)")
         parser.add_argument("--pack", action="store_true",
                             help="pack a glob or `datasets` --data (EOS between documents) into documents of the "
                                  "full length, as 'stdlib' is; without it each file or record is one document")
         parser.add_argument("--num-docs", type=int, default=num_docs,
                             help="documents to use: the longest, or spread over the corpus when packed "
                                  "(default: %(default)s)")
-        parser.add_argument("--output-dir", default="foxlm-eval", help="where the JSON and PNG go (default: %(default)s)")
+        parser.add_argument("--output-dir", default="foxlm-eval",
+                            help="where the JSON and PNG go (default: %(default)s)")
         parser.add_argument("--force", action="store_true", help="overwrite results already in --output-dir")
 
     loss = kinds.add_parser(
@@ -304,8 +306,10 @@ def add_eval_commands(commands):
                     "  foxlm eval per-token-loss my-fox --data 'books/*.txt' --max-length 32768 --train-context 16384",
     )
     loss.add_argument("models", nargs="+", metavar="MODEL")
-    loss.add_argument("--max-length", type=int, default=8192, help="positions to evaluate (tokens per document; default: %(default)s)")
-    loss.add_argument("--train-context", type=int, default=None, help="mark this training context on the plot (default: none)")
+    loss.add_argument("--max-length", type=int, default=8192,
+                      help="positions to evaluate, in tokens per document (default: %(default)s)")
+    loss.add_argument("--train-context", type=int, default=None,
+                      help="mark this training context on the plot (default: none)")
     loss.add_argument("--tokenizer", default=None, help="tokenizer source (default: the first MODEL's); every "
                       "MODEL must share it")
     loss.add_argument("--min-documents", type=int, default=3, help="leave positions reached by fewer documents "

@@ -7,7 +7,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("make_performance_doc", ROOT / "benchmarks" / "make_performance_doc.py")
+    path = ROOT / "benchmarks" / "make_performance_doc.py"
+    spec = importlib.util.spec_from_file_location("make_performance_doc", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
