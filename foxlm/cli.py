@@ -95,9 +95,9 @@ def run_demo(args):
           f"sampled after it (temperature {args.temperature}, top-k 20), between the lines:\n"
           f"{'-' * 78}\n{prompt.decode('utf-8', errors='replace')}"
           f"{text.decode('utf-8', errors='replace')}\n{'-' * 78}\n"
-          "A minute of training on bytes teaches the look of Python (indentation, keywords, names, brackets), "
-          "not working code:\nthe sample should read like Python, not make sense. More --steps and a larger "
-          "--hidden-size and --layers go further.")
+          "A few minutes of training on bytes teach the look of Python (indentation, keywords, names, "
+          "brackets),\nnot working code: the sample should read like Python, not make sense. More --steps, a "
+          "larger --hidden-size and more --layers go further.")
 
 
 def run_convert_llama(args):
@@ -377,9 +377,10 @@ def build_parser():
     bench.add_argument("name", nargs="?", choices=list(BENCHMARKS))
     demo = commands.add_parser(
         "demo", help="train a tiny byte-level FoX on Python's own sources, save, reload and generate",
-        description="A one-minute tour on the CPU: builds a FoX (Pro) model, trains it on the Python standard "
-                    "library's source files (bytes as tokens), saves it with its code, reloads it through "
-                    "AutoModelForCausalLM and continues the opening of a function from a file it did not train on.",
+        description="A short tour on the CPU (minutes on two cores): builds a FoX (Pro) model, trains it on the "
+                    "Python standard library's source files (bytes as tokens), saves it with its code, reloads it "
+                    "through AutoModelForCausalLM and continues the opening of a function from a file it did not "
+                    "train on.",
     )
     demo.add_argument("--output-dir", default="foxlm-demo", help="where the trained model is saved "
                       "(default: %(default)s)")
