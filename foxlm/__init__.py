@@ -1,46 +1,42 @@
 """foxlm: the Forgetting Transformer (FoX) for Hugging Face transformers.
 
-Importing foxlm registers model_type "fox" with the transformers Auto classes.
+Importing foxlm registers model_type "fox" with the transformers Auto classes. The import itself is light: the names
+below load on first use, and the registration happens then or at transformers' first look-up of a model type
+(`foxlm.registration` says how).
 """
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-)
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+import importlib
 
-from .configuration_fox import FoxConfig
-from .kernels import forgetting_attention
-from .cache_fox import FoxCacheLayer
-from .modeling_fox import (
-    FoxForCausalLM,
-    FoxForSequenceClassification,
-    FoxModel,
-    FoxPreTrainedModel,
-)
-from .remote_code import write_remote_code
-from .training import fox_lora_config, optimizer_param_groups
+from .registration import register, register_when_needed
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it from here
 
-AutoConfig.register("fox", FoxConfig, exist_ok=True)
-AutoModel.register(FoxConfig, FoxModel, exist_ok=True)
-AutoModelForCausalLM.register(FoxConfig, FoxForCausalLM, exist_ok=True)
-AutoModelForSequenceClassification.register(FoxConfig, FoxForSequenceClassification, exist_ok=True)
-# The Trainer's label smoother shifts labels only for names in this mapping.
-MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("fox", "FoxForCausalLM")
+_EXPORTS = {  # name -> module of the package that defines it
+    "FoxCacheLayer": "cache_fox",
+    "FoxConfig": "configuration_fox",
+    "FoxForCausalLM": "modeling_fox",
+    "FoxForSequenceClassification": "modeling_fox",
+    "FoxModel": "modeling_fox",
+    "FoxPreTrainedModel": "modeling_fox",
+    "forgetting_attention": "kernels",
+    "fox_lora_config": "training",
+    "optimizer_param_groups": "training",
+    "write_remote_code": "remote_code",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = [
-    "FoxCacheLayer",
-    "FoxConfig",
-    "FoxForCausalLM",
-    "FoxForSequenceClassification",
-    "FoxModel",
-    "FoxPreTrainedModel",
-    "forgetting_attention",
-    "fox_lora_config",
-    "optimizer_param_groups",
-    "write_remote_code",
-]
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    register()
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+register_when_needed()

@@ -1,4 +1,8 @@
-"""The `foxlm` command. Run `foxlm --help` or `foxlm COMMAND --help`."""
+"""The `foxlm` command. Run `foxlm --help` or `foxlm COMMAND --help`.
+
+torch, transformers and the model load only inside the commands: building the parser and answering `--help` or
+`--version` import none of them.
+"""
 
 import argparse
 import math
@@ -7,37 +11,57 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
+from foxlm import __version__
 from foxlm.benchmarks import BENCHMARKS, run as run_benchmark
 
+# `foxlm convert llama` defaults. They are foxlm.conversion.llama's (tests/test_cli.py checks that they agree),
+# written here because that module imports torch.
+GATE_INITS = ("open", "decay-spread")
+DEFAULT_GATE_INIT = "decay-spread"
+DEFAULT_GATE_BIAS = 5.0
+DEFAULT_DECAY_TIMES = (2.0, 512.0)
+BYTE_OFFSET = 3  # the demo's ids 0, 1, 2 are pad, bos, eos; byte b is token b + 3
 
-def stdlib_source_bytes(max_files=None, seed=0):
-    """UTF-8 bytes of the Python standard library's own source files (the corpus of `foxlm.data`): real, long,
-    offline text."""
-    from foxlm.data import stdlib_source_files
 
-    files = stdlib_source_files()
+def stdlib_source_bytes(files, max_files=None, seed=0):
+    """UTF-8 bytes of up to `max_files` of the given standard library files, in a random order."""
+    files = list(files)
     random.Random(seed).shuffle(files)
     return [f.read_bytes() for f in files[:max_files]]
 
 
+def demo_prompt(files, max_bytes=240):
+    """The opening of the first function of a standard library file the demo does not train on: its lines up to and
+    including the first `def` line."""
+    for path in files:
+        lines = path.read_bytes().splitlines(keepends=True)
+        for i, line in enumerate(lines):
+            if line.lstrip().startswith(b"def ") and line.rstrip().endswith(b":"):
+                prompt = b"".join(lines[max(0, i - 4) : i + 1])[-max_bytes:]
+                return path, prompt
+    raise RuntimeError("no function found in the held-out standard library files")
+
+
 def run_demo(args):
-    """Pretrain a byte-level FoX (Pro) briefly on stdlib sources, save it with its code, reload and generate."""
+    """Pretrain a byte-level FoX (Pro) briefly on stdlib sources, save it with its code, reload it and continue a
+    function of a file it did not train on."""
+    import torch
+    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
     from foxlm import FoxConfig, FoxForCausalLM
+    from foxlm.data import stdlib_split
 
     output_dir = Path(args.output_dir)
     if output_dir.exists() and any(output_dir.iterdir()) and not args.force:
         sys.exit(f"error: {output_dir} exists and is not empty; pass --force to overwrite it.")
     torch.manual_seed(args.seed)
-    offset = 3  # ids 0, 1, 2: pad, bos, eos; byte b is token b + 3
-    stream = torch.cat([torch.tensor(list(doc), dtype=torch.long) + offset for doc in stdlib_source_bytes(200)])
+    train_files, held_out_files = stdlib_split()
+    stream = torch.cat([torch.tensor(list(doc), dtype=torch.long) + BYTE_OFFSET
+                        for doc in stdlib_source_bytes(train_files, 200, args.seed)])
     config = FoxConfig.fox_pro(
-        vocab_size=256 + offset, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden_size // 32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        vocab_size=256 + BYTE_OFFSET, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+        num_attention_heads=max(1, args.hidden_size // 32), pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
     model = FoxForCausalLM(config).train()
     print(f"FoX (Pro): {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
@@ -54,14 +78,26 @@ def run_demo(args):
         optimizer.step(), schedule.step(), optimizer.zero_grad()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{loss.item():.3f}")
-    print(f"loss {losses[0]:.3f} -> {sum(losses[-10:]) / len(losses[-10:]):.3f} in {time.time() - start:.0f} s")
+    final = sum(losses[-10:]) / len(losses[-10:])
+    print(f"loss {losses[0]:.2f} -> {final:.2f} nats per byte in {time.time() - start:.0f} s "
+          f"(a uniform guess over 256 bytes: {math.log(256):.2f})")
 
     model.save_pretrained(output_dir)
     reloaded = AutoModelForCausalLM.from_pretrained(output_dir, trust_remote_code=True).eval()
-    prompt = torch.tensor([list(b"def ")]) + offset
-    generated = reloaded.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
-    text = bytes((generated[0] - offset).clamp(0, 255).tolist()).decode("utf-8", errors="replace")
-    print(f"saved to {output_dir} (weights + code: loads with trust_remote_code=True)\ngreedy sample:\n{text}")
+    path, prompt = demo_prompt(held_out_files)
+    generated = reloaded.generate(
+        torch.tensor([list(prompt)]) + BYTE_OFFSET, max_new_tokens=args.new_tokens, do_sample=True,
+        temperature=args.temperature, top_k=20, pad_token_id=0,
+    )
+    text = bytes((generated[0, len(prompt) :] - BYTE_OFFSET).clamp(0, 255).tolist())
+    print(f"saved to {output_dir} (weights + code: loads with trust_remote_code=True)\n\n"
+          f"The opening of a function from {path.name}, a file it did not train on, and {args.new_tokens} bytes "
+          f"sampled after it (temperature {args.temperature}, top-k 20), between the lines:\n"
+          f"{'-' * 78}\n{prompt.decode('utf-8', errors='replace')}"
+          f"{text.decode('utf-8', errors='replace')}\n{'-' * 78}\n"
+          "A few minutes of training on bytes teach the look of Python (indentation, keywords, names, "
+          "brackets),\nnot working code: the sample should read like Python, not make sense. More --steps, a "
+          "larger --hidden-size and more --layers go further.")
 
 
 def run_convert_llama(args):
@@ -139,8 +175,6 @@ def run_convert_official(args):
 
 
 def add_convert_commands(commands):
-    from foxlm.conversion.llama import DEFAULT_DECAY_TIMES, DEFAULT_GATE_BIAS, DEFAULT_GATE_INIT, GATE_INITS
-
     convert = commands.add_parser(
         "convert", help="turn a LLaMA-family or an official FoX checkpoint into a foxlm model folder",
         description="Convert checkpoints into foxlm FoX models. `foxlm convert llama` retrofits forget gates onto "
@@ -259,6 +293,8 @@ def eval_output_paths(args, *names):
 
 def run_per_token_loss(args):
     """L(i) of each model on each --data's documents, with top-1 agreement with --reference, to JSON and a PNG."""
+    import torch
+
     from transformers import AutoTokenizer
 
     from foxlm.conversion.llama import resolve_source
@@ -286,6 +322,8 @@ def run_per_token_loss(args):
 
 def run_needle(args):
     """Easy-mode needle-in-a-haystack over context lengths and depths, to JSON and a PNG heatmap."""
+    import torch
+
     from foxlm.data import DOMAIN_ALIASES, DOMAINS
     from foxlm.evaluation import load_causal_lm, needle_haystack, needle_in_a_haystack, needle_summary, plot_needle
     from foxlm.evaluation import write_json
@@ -334,15 +372,16 @@ def add_eval_commands(commands):
         parser.add_argument("--corpus-dir", default=None,
                             help="read the docs and prose corpora from this folder (benchmarks/pack_corpus.py) "
                                  "instead of the installed Debian packages (default: $FOXLM_CORPUS_DIR)")
-        parser.add_argument("--split", default="validation", help="split of a `datasets` --data")
-        parser.add_argument("--text-column", default="text", help="text column of a `datasets` --data")
+        parser.add_argument("--split", default="validation", help="split of a `datasets` --data (default: %(default)s)")
+        parser.add_argument("--text-column", default="text", help="text column of a `datasets` --data (default: %(default)s)")
         parser.add_argument("--pack", action="store_true",
                             help="pack a glob or `datasets` --data (EOS between documents) into documents of the "
                                  "full length, as the domains are; without it each file or record is one document")
         parser.add_argument("--num-docs", type=int, default=num_docs,
                             help="documents to use: the longest, or spread over the corpus when packed "
                                  "(default: %(default)s)")
-        parser.add_argument("--output-dir", default="foxlm-eval", help="where the JSON and PNG go")
+        parser.add_argument("--output-dir", default="foxlm-eval",
+                            help="where the JSON and PNG go (default: %(default)s)")
         parser.add_argument("--force", action="store_true", help="overwrite results already in --output-dir")
 
     loss = kinds.add_parser(
@@ -360,12 +399,14 @@ def add_eval_commands(commands):
                     "  foxlm eval per-token-loss my-fox --data 'books/*.txt' --max-length 32768 --train-context 16384",
     )
     loss.add_argument("models", nargs="+", metavar="MODEL")
-    loss.add_argument("--max-length", type=int, default=8192, help="positions to evaluate (tokens per document)")
-    loss.add_argument("--train-context", type=int, default=None, help="mark this training context on the plot")
+    loss.add_argument("--max-length", type=int, default=8192,
+                      help="positions to evaluate, in tokens per document (default: %(default)s)")
+    loss.add_argument("--train-context", type=int, default=None,
+                      help="mark this training context on the plot (default: none)")
     loss.add_argument("--tokenizer", default=None, help="tokenizer source (default: the first MODEL's); every "
                       "MODEL must share it")
     loss.add_argument("--min-documents", type=int, default=3, help="leave positions reached by fewer documents "
-                      "out of the plot and the band means (the JSON keeps them)")
+                      "out of the plot and the band means; the JSON keeps them (default: %(default)s)")
     loss.add_argument("--labels", default=None, help="comma-separated legend names, one per MODEL (default: "
                       "the MODEL arguments)")
     loss.add_argument("--reference", default=None, help="the label of the model (the original) whose top-1 "
@@ -384,9 +425,9 @@ def add_eval_commands(commands):
     )
     needle.add_argument("model", metavar="MODEL")
     needle.add_argument("--context-lengths", type=int_list, default=[1024, 2048, 4096, 8192],
-                        help="comma-separated prompt lengths in tokens")
+                        help="comma-separated prompt lengths in tokens (default: 1024,2048,4096,8192)")
     needle.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0],
-                        help="comma-separated needle depths (0 = start of the haystack)")
+                        help="comma-separated needle depths, 0 = start of the haystack (default: 0,0.25,0.5,0.75,1)")
     add_data_args(needle, num_docs=64, default="prose", several=False)
     needle.set_defaults(func=run_needle)
 
@@ -417,6 +458,7 @@ def run_bench(name, script_args):
 
 def build_parser():
     parser = argparse.ArgumentParser(prog="foxlm", description="Forgetting Transformer (FoX) tools.")
+    parser.add_argument("--version", action="version", version=f"foxlm {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
         "finetune", add_help=False,
@@ -430,20 +472,29 @@ def build_parser():
     bench.add_argument("name", nargs="?", choices=list(BENCHMARKS))
     demo = commands.add_parser(
         "demo", help="train a tiny byte-level FoX on Python's own sources, save, reload and generate",
-        description="A one-minute tour on the CPU: builds a FoX (Pro) model, trains it on the Python standard "
-                    "library's source files (bytes as tokens), saves it with its code, reloads it through "
-                    "AutoModelForCausalLM and generates a few lines.",
+        description="A short tour on the CPU (minutes on two cores): builds a FoX (Pro) model, trains it on the "
+                    "Python standard library's source files (bytes as tokens), saves it with its code, reloads it "
+                    "through AutoModelForCausalLM and continues the opening of a function from a file it did not "
+                    "train on.",
     )
-    demo.add_argument("--output-dir", default="foxlm-demo", help="where the trained model is saved")
+    demo.add_argument("--output-dir", default="foxlm-demo", help="where the trained model is saved "
+                      "(default: %(default)s)")
     demo.add_argument("--force", action="store_true", help="overwrite a non-empty --output-dir")
-    demo.add_argument("--steps", type=int, default=150, help="training steps")
-    demo.add_argument("--batch-size", type=int, default=8)
-    demo.add_argument("--context", type=int, default=256, help="training sequence length in bytes")
-    demo.add_argument("--hidden-size", type=int, default=128)
-    demo.add_argument("--layers", type=int, default=4)
-    demo.add_argument("--lr", type=float, default=3e-3)
-    demo.add_argument("--new-tokens", type=int, default=120, help="bytes to generate after the prompt 'def '")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--steps", type=int, default=150, help="training steps (default: %(default)s)")
+    demo.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: %(default)s)")
+    demo.add_argument("--context", type=int, default=256, help="training sequence length in bytes "
+                      "(default: %(default)s)")
+    demo.add_argument("--hidden-size", type=int, default=128, help="model width; one head per 32 "
+                      "(default: %(default)s)")
+    demo.add_argument("--layers", type=int, default=4, help="decoder layers (default: %(default)s)")
+    demo.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, cosine decay "
+                      "(default: %(default)s)")
+    demo.add_argument("--new-tokens", type=int, default=160, help="bytes to sample after the prompt "
+                      "(default: %(default)s)")
+    demo.add_argument("--temperature", type=float, default=0.7, help="sampling temperature "
+                      "(default: %(default)s)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the data order, weights and sampling "
+                      "(default: %(default)s)")
     demo.set_defaults(func=run_demo)
     add_convert_commands(commands)
     add_eval_commands(commands)

@@ -52,7 +52,7 @@ class FoxConfig(PreTrainedConfig):
             Adaptive Computation Pruning tolerance (pruned attention mass per query <= eps, so each attention output
             moves by at most `2 eps max|v|`). Tiles of the training/prefill kernel (forward and both backward passes)
             and keys at decode time whose decay `c_q - c_k` is below `delta = -2U - log L + log eps` are skipped and
-            never read (fox-reference.md §5). `"auto"` means e^-10 with `qk_norm` (U then comes from the QK-norm
+            never read (docs/acp.md). `"auto"` means e^-10 with `qk_norm` (U then comes from the QK-norm
             scales) and None (off) otherwise; set a float to force it on (U measured from q and k) or None to turn
             it off.
         decode_kv_eviction (`bool`, defaults to `False`):

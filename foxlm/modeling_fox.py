@@ -204,7 +204,7 @@ class FoxAttention(nn.Module):
         return shifted, raw
 
     def _acp_bound(self, q, cache_layer):
-        """U >= |sm_scale q.k| per (batch, query head) (fox-reference.md §5, `kernels/acp.py`): from the QK-norm scales
+        """U >= |sm_scale q.k| per (batch, query head) (docs/acp.md, `kernels/acp.py`): from the QK-norm scales
         (then valid for future queries too), else from the largest norms of the new queries and of every cached key."""
         if self.config.qk_norm:
             return qk_norm_score_bound(q, self.q_norm.weight, self.k_norm.weight, self.scaling)

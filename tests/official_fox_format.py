@@ -1,5 +1,6 @@
 """The official FoX checkpoint format (zhixuan-lin/forgetting-transformer), written from its documentation
-(docs/fox-reference.md §2 and §7), and a hand-written reference of the official model's math on that state dict.
+(docs/design.md §2; docs/conversion.md, "The paper's checkpoints"), and a hand-written reference of the official
+model's math on that state dict.
 
 No official checkpoint can be downloaded here: `write_official_checkpoint` makes one with the documented config
 fields, tensor names and shapes, and `official_logits` computes what the official model would output for it.
@@ -91,7 +92,7 @@ def rotate_half(x):
 
 
 def official_attention(config, state, p, x):
-    """One official attention block on its RMS-normalised input x (B, T, D): fox-reference.md §2, steps 1-6."""
+    """One official attention block on its RMS-normalised input x (B, T, D): docs/design.md §2, steps 1-6."""
     B, T, D = x.shape
     H = config["num_heads"]
     d = D // H

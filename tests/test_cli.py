@@ -1,18 +1,42 @@
 import json
 import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
+import foxlm
 from foxlm.cli import main
+
+
+def test_the_parser_and_help_import_neither_torch_nor_transformers():
+    code = ("import sys, foxlm.cli; parser = foxlm.cli.build_parser(); parser.format_help(); "
+            "print(sorted({'torch', 'transformers', 'triton'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"foxlm {foxlm.__version__}\n"
+
+
+def test_the_convert_defaults_are_the_converters():
+    from foxlm import cli
+    from foxlm.conversion import llama
+
+    for name in ("GATE_INITS", "DEFAULT_GATE_INIT", "DEFAULT_GATE_BIAS", "DEFAULT_DECAY_TIMES"):
+        assert getattr(cli, name) == getattr(llama, name), name
 
 
 def test_demo_trains_saves_reloads_and_generates(tmp_path, capsys):
     main(["demo", "--output-dir", str(tmp_path / "demo"), "--steps", "3", "--batch-size", "2", "--context", "32",
           "--hidden-size", "32", "--layers", "1", "--new-tokens", "8"])
     out = capsys.readouterr().out
-    assert "loss" in out and "greedy sample" in out
+    assert "nats per byte" in out and "a file it did not train on" in out and "def " in out
     assert (tmp_path / "demo" / "modeling_fox.py").exists() and (tmp_path / "demo" / "config.json").exists()
 
 

@@ -1,4 +1,4 @@
-"""Adaptive Computation Pruning (ACP, fox-reference.md §5): every quantity of it, each computed in one place.
+"""Adaptive Computation Pruning (ACP, docs/acp.md): every quantity of it, each computed in one place.
 
 A (query block, key block) tile whose largest decay bias `c_i - c_j` is below the threshold delta is skipped; then
 every query loses at most eps of its attention mass, so each output moves by at most `2 eps max|v|`. One name for

@@ -1,6 +1,6 @@
 """Adaptive Computation Pruning in the Triton kernels, against the same kernels unpruned.
 
-The guarantee (fox-reference.md §5): every query loses at most eps of its attention mass, so the output moves by at
+The guarantee (docs/acp.md): every query loses at most eps of its attention mass, so the output moves by at
 most 2 eps max|v|. Gradient bounds follow from the same row bound: sum_j |dP_ij| <= 2 eps, hence
 sum_j |d dS_ij| <= 6 eps M with M = max |do_i.v_j|. q and k are scaled down so that U is small and pruning starts
 where the dropped weights are still visible in fp32. Runs in Triton's interpreter on CPU (tests/conftest.py).

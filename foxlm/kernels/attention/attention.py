@@ -147,7 +147,7 @@ def forgetting_attention(
         seq_start: (batch,) int, left padding: keys before `seq_start[b]` are ignored and their gates unused.
             Right padding needs nothing: causal queries never see later positions.
         backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
-        prune_eps: Adaptive Computation Pruning tolerance in (0, 1) (fox-reference.md §5): the Triton kernels skip
+        prune_eps: Adaptive Computation Pruning tolerance in (0, 1) (docs/acp.md): the Triton kernels skip
             tiles whose decay proves their attention weight negligible, so that each query loses at most `prune_eps`
             of its attention mass (output error <= 2 * prune_eps * max|v|; `foxlm.kernels.acp`). Needs log f <= 0. The
             reference backend computes everything (exact). Read what was skipped with

@@ -1,8 +1,8 @@
 """Triton Forgetting Attention: the forward and backward kernels (launched by `attention_launch.py`).
 
-`o_i = sum_j softmax_j(sm_scale * q_i.k_j + c_i - c_j) v_j`, c the inclusive cumsum of log f (fox-reference.md §1).
+`o_i = sum_j softmax_j(sm_scale * q_i.k_j + c_i - c_j) v_j`, c the inclusive cumsum of log f (docs/design.md §1).
 
-Design (fox-reference.md §3-4):
+Design (docs/design.md §3, §4 and §7):
 - Scores live in the exp2 domain: `sm_scale * log2(e)` is folded into one multiplier and the decay bias is scaled
   by log2(e) once per key/query vector, so the inner loop costs one FMA and one FSUB per score over plain attention.
 - No catastrophic cancellation: c is kept in float64 in memory (O(T) bytes) and every program subtracts a float64
@@ -20,7 +20,7 @@ Design (fox-reference.md §3-4):
   delta = rowsum(o * do) plus `sum_j dS_ij`, which is exactly its error when taken from the rounded output; the
   key-stationary dK/dV pass then uses the corrected delta. dK/dV programs loop over the query heads of their GQA group,
   so dK/dV are reduced in registers (no per-query-head copy), and they own `dc_j = -sum_i dS_ij` (the row sums of dS
-  vanish, fox-reference.md §3); `d log f` is then a float64 reverse cumsum.
+  vanish, docs/design.md §3); `d log f` is then a float64 reverse cumsum.
 - c and the key biases come from a float64 scan over the gates (`attention_gate_scan.py`), d log f from a reverse
   scan.
 - 1-D grids (no 65535 limit on y/z), 64-bit base offsets, heavy blocks launched first (`_heaviest_first`), of
@@ -29,7 +29,7 @@ Design (fox-reference.md §3-4):
   the copy engine computes addresses and zero-fills rows past the sequence and columns past head_dim, as the
   pointer tiles' masks do, so both paths give bit-identical results); the pruned D64 dQ loop loads its key biases
   that way too (`_bias_source`); `dispatch.use_tma` and `dispatch.use_dq_bias_tma` choose.
-- Adaptive Computation Pruning (fox-reference.md §5), when `prune_eps` is given: a tile with first query i0
+- Adaptive Computation Pruning (docs/acp.md), when `prune_eps` is given: a tile with first query i0
   and last key j1 has every bias `<= c_i0 - c_j1`, and is skipped when that is below `acp_delta` (`acp.py`; then
   each query loses at most eps of its attention mass). c is monotone, so the kept key blocks of a query block
   are a suffix and the kept query blocks of a key block a prefix: each program finds its boundary by a

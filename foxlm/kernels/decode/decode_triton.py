@@ -8,7 +8,7 @@ Design:
   K/V block is read from memory once for the whole group, and `q.k` is one `tl.dot`.
 - The bias `c_q - c_k` is taken from the cache's fp32 running sum, which the cache keeps small by rebasing
   (subtracting a per-row constant, exact), so the difference of two stored values keeps fp32 precision.
-- ACP (fox-reference.md §5): a key is pruned for a query when `c_q - c_k < delta`; a key block pruned for every row
+- ACP (docs/acp.md): a key is pruned for a query when `c_q - c_k < delta`; a key block pruned for every row
   of the program is skipped before its K/V are loaded, so pruned keys cost 4 bytes of c per query head, not K/V.
 - Scores in the exp2 domain; -inf-safe running max so fully masked rows (left padding, pruned splits) give 0.
 """

@@ -1,4 +1,4 @@
-"""The elementwise work of a FoX (Pro) attention layer outside attention itself (fox-reference.md §2), fused:
+"""The elementwise work of a FoX (Pro) attention layer outside attention itself (docs/design.md §2 and §9), fused:
 
 - `head_rms_norm`: RMSNorm of each head's vector with one scale per (head, channel) — QK-norm, and the output norm
   with the output gate `sigmoid(gate_logits)` multiplied in when given;

@@ -164,7 +164,7 @@ def test_gradient_flows_to_a_given_cumsum(backend):
     want = outputs_and_grads(naive_from_cumsum, (q, k, v, c.double()), grad_out.double())
     for x, ref in zip(got, want):
         assert relative_error(x, ref) < 1e-4
-    # The total key-side gradient is zero (fox-reference.md §3).
+    # The total key-side gradient is zero (docs/design.md §3).
     assert got[4].sum(1).abs().max() < 1e-4
 
 
