@@ -103,20 +103,23 @@ class DistillationTrainer(Trainer):
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         decoder, head = language_model_parts(self.accelerator.unwrap_model(model))
-        hidden = decoder(**inputs, use_cache=False).last_hidden_state
         teacher_hidden = teacher_head = kl_mask = None
-        if self.teacher is not None:
-            teacher_decoder, teacher_head = language_model_parts(self.teacher)
-            with torch.no_grad():
-                teacher_hidden = teacher_decoder(**inputs, use_cache=False).last_hidden_state
-            if self.teacher_context is not None:
-                positions = inputs.get("position_ids")
-                if positions is None:
-                    positions = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
-                kl_mask = positions < self.teacher_context
-        ce, kl, tokens, _ = chunked_distillation_loss(hidden, head, labels, teacher_hidden=teacher_hidden,
-                                                      teacher_head=teacher_head, kl_mask=kl_mask,
-                                                      chunk_size=self.chunk_size)
+        # The decoder is called directly, past the model's forward that accelerate wraps in autocast: without this,
+        # bf16 training would run in fp32, where FoX's attention has no fast kernel.
+        with self.accelerator.autocast():
+            hidden = decoder(**inputs, use_cache=False).last_hidden_state
+            if self.teacher is not None:
+                teacher_decoder, teacher_head = language_model_parts(self.teacher)
+                with torch.no_grad():
+                    teacher_hidden = teacher_decoder(**inputs, use_cache=False).last_hidden_state
+                if self.teacher_context is not None:
+                    positions = inputs.get("position_ids")
+                    if positions is None:
+                        positions = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
+                    kl_mask = positions < self.teacher_context
+            ce, kl, tokens, _ = chunked_distillation_loss(hidden, head, labels, teacher_hidden=teacher_hidden,
+                                                          teacher_head=teacher_head, kl_mask=kl_mask,
+                                                          chunk_size=self.chunk_size)
         count = num_items_in_batch if num_items_in_batch is not None else max(tokens, 1)
         count = count.to(ce.device) if torch.is_tensor(count) else count
         ce, kl = ce / count, kl / count
