@@ -30,7 +30,6 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 # Percent of files held out for evaluation (benchmarks/NOTES_data.md: how many long documents that leaves).
@@ -330,6 +329,8 @@ def pack_into_blocks(documents, block_size):
     Blocks cross document boundaries (end each document with EOS); use `padding_free_examples` on the documents
     instead when attention must not cross them.
     """
+    import torch  # here, so that `foxlm finetune --help` (which reads EVAL_PERCENT) does not wait for it
+
     stream = torch.tensor([token for doc in documents for token in doc], dtype=torch.long)
     num_blocks = len(stream) // block_size
     if num_blocks == 0:

@@ -17,6 +17,17 @@ def test_the_parser_and_help_import_neither_torch_nor_transformers():
     assert done.stdout.strip() == "[]"
 
 
+def test_finetune_help_imports_neither_torch_nor_transformers():
+    code = ("import sys, contextlib, io; from foxlm.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    try: main(['finetune', '--help'])\n"
+            "    except SystemExit: pass\n"
+            "assert '--transfer-steps' in out.getvalue() and '%%' not in out.getvalue()\n"
+            "print(sorted({'torch', 'transformers', 'triton'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
