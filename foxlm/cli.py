@@ -5,6 +5,7 @@ torch, transformers and the model load only inside the commands: building the pa
 """
 
 import argparse
+import errno
 import math
 import random
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from foxlm import __version__
 from foxlm.benchmarks import BENCHMARKS, run as run_benchmark
+from foxlm.errors import FoxlmError
 
 # `foxlm convert llama` defaults. They are foxlm.conversion.llama's (tests/test_cli.py checks that they agree),
 # written here because that module imports torch.
@@ -51,10 +53,11 @@ def run_demo(args):
 
     from foxlm import FoxConfig, FoxForCausalLM
     from foxlm.data import stdlib_split
+    from foxlm.model_card import demo_card
+    from foxlm.outputs import check_target, save_model_folder
 
     output_dir = Path(args.output_dir)
-    if output_dir.exists() and any(output_dir.iterdir()) and not args.force:
-        sys.exit(f"error: {output_dir} exists and is not empty; pass --force to overwrite it.")
+    check_target(output_dir, force=args.force)
     torch.manual_seed(args.seed)
     train_files, held_out_files = stdlib_split()
     stream = torch.cat([torch.tensor(list(doc), dtype=torch.long) + BYTE_OFFSET
@@ -82,7 +85,9 @@ def run_demo(args):
     print(f"loss {losses[0]:.2f} -> {final:.2f} nats per byte in {time.time() - start:.0f} s "
           f"(a uniform guess over 256 bytes: {math.log(256):.2f})")
 
-    model.save_pretrained(output_dir)
+    card = demo_card(name=output_dir.name, steps=args.steps, context=args.context, losses=losses,
+                     parameters=sum(p.numel() for p in model.parameters()))
+    save_model_folder(output_dir, model, card=card, force=args.force)
     reloaded = AutoModelForCausalLM.from_pretrained(output_dir, trust_remote_code=True).eval()
     path, prompt = demo_prompt(held_out_files)
     generated = reloaded.generate(
@@ -101,17 +106,17 @@ def run_demo(args):
 
 
 def run_convert_llama(args):
-    from foxlm.conversion import ConversionError, convert_llama_to_fox
+    from foxlm.conversion import convert_llama_to_fox
 
     try:
         transfer = transfer_options(args) if args.transfer_steps else {}
-        output_dir = convert_llama_to_fox(
-            args.source, args.output_dir, keep_rope=args.keep_rope, dtype=args.dtype,
-            max_shard_size=args.max_shard_size, force=args.force, gate_init=args.gate_init,
-            gate_bias=args.gate_bias, decay_times=tuple(args.decay_times), **transfer,
-        )
-    except (ConversionError, FileNotFoundError) as error:
-        sys.exit(f"error: {error}")
+    except FileNotFoundError as error:  # a corpus that is not installed
+        raise FoxlmError(str(error)) from error
+    output_dir = convert_llama_to_fox(
+        args.source, args.output_dir, keep_rope=args.keep_rope, dtype=args.dtype, max_shard_size=args.max_shard_size,
+        force=args.force, gate_init=args.gate_init, gate_bias=args.gate_bias, decay_times=tuple(args.decay_times),
+        **transfer,
+    )
     print(f"saved a FoX model to {output_dir} (see its README.md); next: fine-tune it on long documents "
           f"(`foxlm finetune --model {args.source}` converts and fine-tunes in one go)")
 
@@ -141,36 +146,11 @@ def transfer_options(args):
                 transfer_qk_rank=args.transfer_qk_rank)
 
 
-def non_negative_int(text):
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def positive_float(text):
-    value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
 def run_convert_official(args):
-    from foxlm.conversion import ConversionError, convert_official_to_fox
+    from foxlm.conversion import convert_official_to_fox
 
-    try:
-        output_dir = convert_official_to_fox(
-            args.source, args.output_dir, dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force
-        )
-    except ConversionError as error:
-        sys.exit(f"error: {error}")
+    output_dir = convert_official_to_fox(args.source, args.output_dir, dtype=args.dtype,
+                                         max_shard_size=args.max_shard_size, force=args.force)
     print(f"saved the foxlm model to {output_dir}")
 
 
@@ -186,10 +166,12 @@ def add_convert_commands(commands):
         parser.add_argument("output_dir", metavar="OUT", help="folder to write; must be empty or absent (see --force)")
         parser.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                             help="dtype of the saved weights; auto keeps the source's (default: %(default)s)")
-        parser.add_argument("--max-shard-size", default="5GB",
-                            help="largest safetensors file; bigger models are split (default: %(default)s)")
-        parser.add_argument("--force", action="store_true", help="replace OUT if it exists (only once the new "
-                            "model is fully written)")
+        parser.add_argument("--max-shard-size", default="5GB", type=shard_size,
+                            help="largest safetensors file, e.g. 500MB; bigger models are split (default: "
+                                 "%(default)s)")
+        parser.add_argument("--force", action="store_true",
+                            help="replace OUT if foxlm wrote it (an earlier conversion), once the new model is fully "
+                                 "written; never a folder that holds SRC or the working directory")
 
     llama = kinds.add_parser(
         "llama", help="add forget gates to a LLaMA, SmolLM2, Mistral or Qwen2 checkpoint",
@@ -218,10 +200,11 @@ def add_convert_commands(commands):
                        help="how the new forget gates start (weights are zero either way): decay-spread gives the "
                             "heads of each layer decay times log-spaced over --decay-times; open gives every head "
                             "bias --gate-bias (default: %(default)s)")
-    llama.add_argument("--gate-bias", type=float, default=DEFAULT_GATE_BIAS,
+    llama.add_argument("--gate-bias", type=finite_float, default=DEFAULT_GATE_BIAS,
                        help="forget-gate bias for --gate-init open; f = sigmoid(bias), 5 gives 0.993 "
                             "(default: %(default)s)")
-    llama.add_argument("--decay-times", type=float, nargs=2, metavar=("MIN", "MAX"), default=DEFAULT_DECAY_TIMES,
+    llama.add_argument("--decay-times", type=positive_float, nargs=2, metavar=("MIN", "MAX"),
+                       default=DEFAULT_DECAY_TIMES,
                        help="shortest and longest decay time in tokens for --gate-init decay-spread "
                             "(default: %(default)s)")
     transfer = llama.add_argument_group(
@@ -229,19 +212,19 @@ def add_convert_commands(commands):
         "Train each layer's forget gate, and a low-rank update of q_proj/k_proj with --transfer-qk-rank, to reproduce "
         "the source's attention outputs on the source's hidden states before saving. Minutes on a GPU; recovers much "
         "of what dropping RoPE loses, before any fine-tuning.")
-    transfer.add_argument("--transfer-steps", type=non_negative_int, default=0,
+    transfer.add_argument("--transfer-steps", type=at_least(0), default=0,
                           help="optimizer steps; 0 converts without transfer (default: %(default)s)")
     transfer.add_argument("--transfer-data", default=None, metavar="GLOB",
                           help="text files to run the source on (default: the training text of `foxlm finetune`: "
                                "code and documentation)")
-    transfer.add_argument("--transfer-qk-rank", type=non_negative_int, default=8,
+    transfer.add_argument("--transfer-qk-rank", type=at_least(0), default=8,
                           help="rank of the q/k updates, merged into the weights; 0 trains the gates only "
                                "(default: %(default)s)")
     transfer.add_argument("--transfer-lr", type=positive_float, default=1e-2,
                           help="Adam's learning rate (default: %(default)s)")
-    transfer.add_argument("--transfer-length", type=positive_int, default=2048,
+    transfer.add_argument("--transfer-length", type=at_least(1), default=2048,
                           help="tokens per sequence, capped at the source's context (default: %(default)s)")
-    transfer.add_argument("--transfer-batch-size", type=positive_int, default=8,
+    transfer.add_argument("--transfer-batch-size", type=at_least(1), default=8,
                           help="sequences per step (default: %(default)s)")
     llama.set_defaults(func=run_convert_llama)
 
@@ -281,14 +264,11 @@ def documents_for_eval(args, tokenizer, length, data):
 
 
 def eval_output_paths(args, *names):
-    """The files an eval command writes; refuses to replace existing ones without --force."""
-    output_dir = Path(args.output_dir)
-    paths = [output_dir / name for name in names]
-    existing = [str(path) for path in paths if path.exists()]
-    if existing and not args.force:
-        sys.exit(f"error: {', '.join(existing)} exists; pass --force to overwrite, or choose --output-dir.")
-    output_dir.mkdir(parents=True, exist_ok=True)
-    return paths
+    """The files an eval command writes (`check_result_files`: existing ones only with --force, and only if foxlm
+    wrote them)."""
+    from foxlm.outputs import check_result_files
+
+    return check_result_files(args.output_dir, names, force=args.force)
 
 
 def run_per_token_loss(args):
@@ -307,8 +287,13 @@ def run_per_token_loss(args):
     if reference is not None and reference not in labels:
         sys.exit(f"error: --reference {reference!r} is none of the models' labels ({', '.join(labels)}).")
     json_path, png_path = eval_output_paths(args, "per_token_loss.json", "per_token_loss.png")
-    name_or_path, kwargs = resolve_source(args.tokenizer or args.models[0])
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    source = args.tokenizer or args.models[0]
+    name_or_path, kwargs = resolve_source(source)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    except (OSError, ValueError) as error:
+        message = " ".join(str(error).split())
+        raise FoxlmError(f"could not load a tokenizer from {source} ({message}); give one with --tokenizer.") from error
     documents = {data: documents_for_eval(args, tokenizer, args.max_length, data) for data in args.data.split(",")}
     on_gpu = torch.cuda.is_available()
     results = evaluate_models(dict(zip(labels, args.models)), documents, args.max_length, reference=reference,
@@ -340,6 +325,9 @@ def run_needle(args):
             sys.exit(f"error: --data {args.data}: {error}")
     else:
         haystack = [t for doc in documents_for_eval(args, tokenizer, length, args.data) for t in doc]
+    if len(haystack) < length:
+        raise FoxlmError(f"--data {args.data} gives a haystack of {len(haystack)} tokens, fewer than the longest of "
+                         f"--context-lengths ({length}); lower it or give more documents.")
     scores = needle_in_a_haystack(model, tokenizer, haystack, args.context_lengths, args.depths)
     summary = needle_summary(scores, args.context_lengths, args.depths)
     write_json({"model": str(args.model), "data": args.data, **summary}, json_path)
@@ -349,12 +337,64 @@ def run_needle(args):
           f"{json_path} and {png_path}")
 
 
+def at_least(minimum):
+    """An argparse type: a whole number >= `minimum`."""
+    def whole_number(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}")
+        return value
+
+    return whole_number
+
+
+def finite_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text):
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def shard_size(text):
+    from foxlm.conversion.output import ConversionError, check_shard_size
+
+    try:
+        return check_shard_size(text)
+    except ConversionError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def int_list(text):
-    return [int(x) for x in text.split(",")]
+    """Comma-separated whole numbers >= 1."""
+    return [at_least(1)(x) for x in text.split(",")]
 
 
-def float_list(text):
-    return [float(x) for x in text.split(",")]
+def depth_list(text):
+    """Comma-separated fractions in [0, 1]."""
+    depths = [finite_float(x) for x in text.split(",")]
+    if not all(0 <= depth <= 1 for depth in depths):
+        raise argparse.ArgumentTypeError(f"expected fractions between 0 and 1, got {text!r}")
+    return depths
+
+
+def hidden_size(text):
+    value = at_least(32)(text)
+    if value % 32:
+        raise argparse.ArgumentTypeError(f"expected a multiple of 32 (heads of size 32), got {text!r}")
+    return value
 
 
 def add_eval_commands(commands):
@@ -377,12 +417,13 @@ def add_eval_commands(commands):
         parser.add_argument("--pack", action="store_true",
                             help="pack a glob or `datasets` --data (EOS between documents) into documents of the "
                                  "full length, as the domains are; without it each file or record is one document")
-        parser.add_argument("--num-docs", type=int, default=num_docs,
+        parser.add_argument("--num-docs", type=at_least(1), default=num_docs,
                             help="documents to use: the longest, or spread over the corpus when packed "
                                  "(default: %(default)s)")
         parser.add_argument("--output-dir", default="foxlm-eval",
                             help="where the JSON and PNG go (default: %(default)s)")
-        parser.add_argument("--force", action="store_true", help="overwrite results already in --output-dir")
+        parser.add_argument("--force", action="store_true", help="replace this command's results already in "
+                            "--output-dir (nothing else there is touched)")
 
     loss = kinds.add_parser(
         "per-token-loss", help="the paper's L(i) curve for one or more causal LMs, as JSON and a PNG plot",
@@ -399,13 +440,13 @@ def add_eval_commands(commands):
                     "  foxlm eval per-token-loss my-fox --data 'books/*.txt' --max-length 32768 --train-context 16384",
     )
     loss.add_argument("models", nargs="+", metavar="MODEL")
-    loss.add_argument("--max-length", type=int, default=8192,
+    loss.add_argument("--max-length", type=at_least(2), default=8192,
                       help="positions to evaluate, in tokens per document (default: %(default)s)")
-    loss.add_argument("--train-context", type=int, default=None,
+    loss.add_argument("--train-context", type=at_least(1), default=None,
                       help="mark this training context on the plot (default: none)")
     loss.add_argument("--tokenizer", default=None, help="tokenizer source (default: the first MODEL's); every "
                       "MODEL must share it")
-    loss.add_argument("--min-documents", type=int, default=3, help="leave positions reached by fewer documents "
+    loss.add_argument("--min-documents", type=at_least(1), default=3, help="leave positions reached by fewer documents "
                       "out of the plot and the band means; the JSON keeps them (default: %(default)s)")
     loss.add_argument("--labels", default=None, help="comma-separated legend names, one per MODEL (default: "
                       "the MODEL arguments)")
@@ -426,7 +467,7 @@ def add_eval_commands(commands):
     needle.add_argument("model", metavar="MODEL")
     needle.add_argument("--context-lengths", type=int_list, default=[1024, 2048, 4096, 8192],
                         help="comma-separated prompt lengths in tokens (default: 1024,2048,4096,8192)")
-    needle.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0],
+    needle.add_argument("--depths", type=depth_list, default=[0.0, 0.25, 0.5, 0.75, 1.0],
                         help="comma-separated needle depths, 0 = start of the haystack (default: 0,0.25,0.5,0.75,1)")
     add_data_args(needle, num_docs=64, default="prose", several=False)
     needle.set_defaults(func=run_needle)
@@ -459,6 +500,8 @@ def run_bench(name, script_args):
 def build_parser():
     parser = argparse.ArgumentParser(prog="foxlm", description="Forgetting Transformer (FoX) tools.")
     parser.add_argument("--version", action="version", version=f"foxlm {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a failure, not only its one-line "
+                        "error (also taken after the command)")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
         "finetune", add_help=False,
@@ -479,19 +522,19 @@ def build_parser():
     )
     demo.add_argument("--output-dir", default="foxlm-demo", help="where the trained model is saved "
                       "(default: %(default)s)")
-    demo.add_argument("--force", action="store_true", help="overwrite a non-empty --output-dir")
-    demo.add_argument("--steps", type=int, default=150, help="training steps (default: %(default)s)")
-    demo.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: %(default)s)")
-    demo.add_argument("--context", type=int, default=256, help="training sequence length in bytes "
+    demo.add_argument("--force", action="store_true", help="replace --output-dir if foxlm wrote it (an earlier demo)")
+    demo.add_argument("--steps", type=at_least(1), default=150, help="training steps (default: %(default)s)")
+    demo.add_argument("--batch-size", type=at_least(1), default=8, help="sequences per step (default: %(default)s)")
+    demo.add_argument("--context", type=at_least(2), default=256, help="training sequence length in bytes "
                       "(default: %(default)s)")
-    demo.add_argument("--hidden-size", type=int, default=128, help="model width; one head per 32 "
+    demo.add_argument("--hidden-size", type=hidden_size, default=128, help="model width; one head per 32 "
                       "(default: %(default)s)")
-    demo.add_argument("--layers", type=int, default=4, help="decoder layers (default: %(default)s)")
-    demo.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, cosine decay "
+    demo.add_argument("--layers", type=at_least(1), default=4, help="decoder layers (default: %(default)s)")
+    demo.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate, cosine decay "
                       "(default: %(default)s)")
-    demo.add_argument("--new-tokens", type=int, default=160, help="bytes to sample after the prompt "
+    demo.add_argument("--new-tokens", type=at_least(0), default=160, help="bytes to sample after the prompt "
                       "(default: %(default)s)")
-    demo.add_argument("--temperature", type=float, default=0.7, help="sampling temperature "
+    demo.add_argument("--temperature", type=positive_float, default=0.7, help="sampling temperature "
                       "(default: %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the data order, weights and sampling "
                       "(default: %(default)s)")
@@ -501,18 +544,54 @@ def build_parser():
     return parser
 
 
+def failure_message(error):
+    """One line saying what went wrong and what to do, for a failure that is not a bug in foxlm."""
+    import torch
+    from safetensors import SafetensorError
+
+    text = " ".join(str(error).split())  # some libraries' messages span lines
+    if isinstance(error, FoxlmError):
+        return text
+    if isinstance(error, torch.OutOfMemoryError):
+        return f"out of memory ({text[:200]}); lower the sizes (--context, --eval-length, ...) or use a larger GPU."
+    if isinstance(error, SafetensorError):
+        return f"a safetensors file could not be read ({text}): it is truncated or corrupt; download or save it again."
+    where = f" {error.filename}" if error.filename else ""
+    if error.errno == errno.ENOSPC:
+        return (f"no space left on the device (writing{where}); free some space or write to another disk. Outputs are "
+                "renamed into place only when complete: nothing half-written was kept.")
+    if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"cannot write{where}: {error.strerror}; choose a folder you can write to."
+    if error.errno == errno.ENOENT:
+        return f"{error.filename or 'a file'} does not exist: check the path."
+    return text
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # --debug belongs to the command wherever it stands: finetune and bench parse the rest of their options themselves.
+    debug = "--debug" in argv
+    argv = [arg for arg in argv if arg != "--debug"]
     parser = build_parser()
     # finetune's and bench's options belong to the job and the benchmarks they run, which parse them themselves.
     args, extra = parser.parse_known_args(argv)
-    if args.command == "finetune":
-        run_finetune(extra)
-    elif args.command == "bench":
-        run_bench(args.name, extra)
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    else:
-        args.func(args)
+    import torch  # after parsing: --help and --version do not wait for it
+    from safetensors import SafetensorError
+
+    try:
+        if args.command == "finetune":
+            run_finetune(extra)
+        elif args.command == "bench":
+            run_bench(args.name, extra)
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        else:
+            args.func(args)
+    except (FoxlmError, OSError, SafetensorError, torch.OutOfMemoryError) as error:
+        # Bad input, or the disk: one line and a non-zero exit. Anything else is a bug and shows its traceback.
+        if debug:
+            raise
+        sys.exit(f"error: {failure_message(error)}")
 
 
 if __name__ == "__main__":

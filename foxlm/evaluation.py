@@ -5,16 +5,18 @@ All work for any causal LM (FoX or not), so a converted model can be compared wi
 of held-out text at once (`foxlm.data.held_out_documents`).
 """
 
+import io
 import json
-import os
 import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .errors import FoxlmError
 
 
 def load_causal_lm(source, dtype=None, device=None, with_tokenizer=True):
@@ -22,10 +24,16 @@ def load_causal_lm(source, dtype=None, device=None, with_tokenizer=True):
     from .conversion.llama import resolve_source
 
     name_or_path, kwargs = resolve_source(str(source))
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs).eval()
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs) if with_tokenizer else None
+    except (OSError, ValueError, SafetensorError) as error:
+        advice = ("its weights are truncated or corrupt: download or save the model again" if
+                  isinstance(error, SafetensorError) else "give a causal LM's folder, Hub id or .gguf file")
+        message = " ".join(str(error).split())
+        raise FoxlmError(f"could not load {source} as a causal language model ({message}); {advice}.") from error
     if device is not None:
         model = model.to(device)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs) if with_tokenizer else None
     return model, tokenizer
 
 
@@ -150,16 +158,6 @@ def draw_per_token_loss(ax, curves, train_context=None, original_context=None, w
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-
-
-def save_figure(fig, path):
-    """Save a matplotlib figure as PNG through a temporary file (a reader never sees half a file) and close it."""
-    path = Path(path)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    fig.savefig(partial, dpi=120, format="png")
-    pyplot().close(fig)
-    os.replace(partial, path)
-    return path
 
 
 def pyplot():
@@ -375,10 +373,20 @@ def plot_needle(scores, context_lengths, depths, path, title="Needle in a haysta
     return save_figure(fig, path)
 
 
+def save_figure(fig, path):
+    """Save a matplotlib figure as a PNG at `path`, renamed into place whole (a crash leaves the old plot or the
+    new one), and close it."""
+    from .outputs import stamp, write_file_atomic
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=120, format="png", metadata={"Software": stamp()})  # `foxlm eval --force` knows it
+    pyplot().close(fig)
+    return write_file_atomic(path, buffer.getvalue())
+
+
 def write_json(data, path):
-    """Write JSON through a temporary file and a rename: a reader never sees half a file."""
-    path = Path(path)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(partial, path)
-    return path
+    """Write the dict `data` as JSON to `path`, stamped as foxlm's (`foxlm eval --force` replaces only such files) and
+    renamed into place whole."""
+    from .outputs import stamp, write_file_atomic
+
+    return write_file_atomic(path, json.dumps({"written_by": stamp(), **data}, indent=2) + "\n")

@@ -46,7 +46,8 @@ def parse_args(argv=None, prog=None):
     parser.add_argument("--output-dir", default="foxlm-long-context", metavar="DIR",
                         help="everything goes here: converted/, checkpoints/, adapter/, fine-tuned/, the plot "
                              "(default: %(default)s)")
-    parser.add_argument("--force", action="store_true", help="convert again even if DIR/converted exists")
+    parser.add_argument("--force", action="store_true",
+                        help="start over in DIR, replacing the earlier run there (only one foxlm wrote)")
     stages = parser.add_argument_group("stages")
     stages.add_argument("--resume", action="store_true", help="continue training from the last checkpoint")
     stages.add_argument("--skip-eval", action="store_true", help="stop after saving the fine-tuned model")
@@ -226,12 +227,12 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
     import torch
     from peft import get_peft_model
     from transformers import DataCollatorWithFlattening, TrainingArguments, set_seed
-    from transformers.trainer_utils import get_last_checkpoint
 
     from foxlm import FoxForCausalLM, fox_lora_config, optimizer_param_groups
     from foxlm.data import padding_free_examples
     from foxlm.distillation import DistillationTrainer
     from foxlm.evaluation import load_causal_lm
+    from foxlm.outputs import last_complete_checkpoint, save_fine_tuning
     from foxlm.training import CHECKPOINTING_ARGUMENT, TrainingBudget
 
     on_gpu = torch.cuda.is_available()
@@ -259,7 +260,7 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
         save_steps=args.save_steps, save_total_limit=1, report_to=[], use_cpu=not on_gpu, seed=0,
     )
     checkpoints = Path(training_args.output_dir)
-    checkpoint = get_last_checkpoint(checkpoints) if args.resume and checkpoints.is_dir() else None
+    checkpoint = last_complete_checkpoint(checkpoints) if args.resume else None
     if args.resume and checkpoint is None:
         sys.exit(f"error: --resume: no checkpoint in {checkpoints}")
     teacher = None
@@ -278,13 +279,7 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
     trainer.train(resume_from_checkpoint=checkpoint)
     if budget.stopped_by_time:
         print(f"the {args.max_minutes:g}-minute budget ended training after {trainer.state.global_step} steps")
-    if not args.full:
-        trainable.save_pretrained(run_dir / "adapter")
-        tokenizer.save_pretrained(run_dir / "adapter")
-        model = trainable.merge_and_unload()
-    model.save_pretrained(run_dir / "fine-tuned")
-    tokenizer.save_pretrained(run_dir / "fine-tuned")  # a complete model folder: `foxlm eval` and generate() use it
-    (run_dir / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=2) + "\n")
+    save_fine_tuning(run_dir, trainable, tokenizer, trainer, args)  # adapter/, fine-tuned/, train_log.json
 
 
 ORIGINAL, CONVERTED, FINE_TUNED = "original (RoPE)", "converted, before fine-tuning", "converted, fine-tuned"
@@ -364,9 +359,11 @@ def main(argv=None, prog=None):
 
     from foxlm.conversion.llama import resolve_source
     from foxlm.data import evenly_spaced, smollm2_gguf_path
+    from foxlm.outputs import prepare_run_folder
 
     run_dir = Path(args.output_dir)
     source = args.model or str(smollm2_gguf_path())
+    prepare_run_folder(run_dir, force=args.force, resume=args.resume, eval_only=args.eval_only, sources=[source])
     converted_dir, fine_tuned_dir = run_dir / "converted", run_dir / "fine-tuned"
     if args.eval_only:
         missing = [str(d) for d in (converted_dir, fine_tuned_dir) if not (d / "config.json").exists()]

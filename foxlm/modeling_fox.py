@@ -392,10 +392,18 @@ class FoxPreTrainedModel(PreTrainedModel):
         """`PreTrainedModel.save_pretrained` that also writes the model's code beside the weights (unless
         `save_remote_code=False`), so the folder loads with `trust_remote_code=True` where foxlm is not installed.
         `push_to_hub` saves through here, so Hub repositories carry the code too."""
-        if save_remote_code:
-            self.config.auto_map = dict(AUTO_MAP)
+        if not save_remote_code:
+            # An auto_map from an earlier save, or from the folder the model was loaded from, would send
+            # `trust_remote_code=True` to code this folder does not have.
+            auto_map = self.config.__dict__.pop("auto_map", None)
+            try:
+                return super().save_pretrained(save_directory, *args, **kwargs)
+            finally:
+                if auto_map is not None:
+                    self.config.auto_map = auto_map
+        self.config.auto_map = dict(AUTO_MAP)
         super().save_pretrained(save_directory, *args, **kwargs)
-        if save_remote_code and kwargs.get("is_main_process", True):
+        if kwargs.get("is_main_process", True):
             write_remote_code(save_directory)
 
     @torch.no_grad()

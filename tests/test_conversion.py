@@ -1,3 +1,4 @@
+import errno
 import importlib.util
 import json
 import os
@@ -51,7 +52,8 @@ def max_logit_difference(fox, original, ids):
 
 
 def leftovers(parent):
-    return [p.name for p in parent.iterdir() if ".converting-" in p.name]
+    """What a conversion staged in `parent` and left there."""
+    return [p.name for p in parent.iterdir() if ".foxlm-staging." in p.name or ".foxlm-replaced." in p.name]
 
 
 @pytest.mark.parametrize("overrides", [
@@ -99,7 +101,7 @@ def test_default_conversion_drops_rope_and_adds_zero_weight_gates(tmp_path):
         assert torch.equal(fox_layer.self_attn.q_proj.weight, llama_layer.self_attn.q_proj.weight)
         assert torch.equal(fox_layer.mlp.down_proj.weight, llama_layer.mlp.down_proj.weight)
     card = (tmp_path / "fox" / "README.md").read_text()
-    assert "RoPE dropped" in card and "Fine-tune" in card and str(tmp_path / "llama") in card
+    assert "RoPE dropped" in card and "Fine-tuning on long documents" in card and "`llama`" in card
 
 
 def test_converted_folder_tokenizer_loads_without_foxlm_or_trust_remote_code(tmp_path):
@@ -150,31 +152,123 @@ def test_official_checkpoint_is_refused_by_the_llama_converter(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_existing_output_is_kept_without_force_and_replaced_with_it(tmp_path):
+def test_existing_output_is_kept_without_force_and_replaced_with_it_only_if_foxlm_wrote_it(tmp_path):
     save_tiny(tmp_path / "llama")
     out = tmp_path / "fox"
     out.mkdir()
     (out / "keep.txt").write_text("user data")
     with pytest.raises(SystemExit, match="--force"):
         main(["convert", "llama", str(tmp_path / "llama"), str(out)])
+    with pytest.raises(SystemExit, match="not written by foxlm"):
+        main(["convert", "llama", str(tmp_path / "llama"), str(out), "--force"])
     assert (out / "keep.txt").read_text() == "user data" and len(list(out.iterdir())) == 1
-    main(["convert", "llama", str(tmp_path / "llama"), str(out), "--force"])
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    main(["convert", "llama", str(tmp_path / "llama"), str(tmp_path / "fox2")])
+    main(["convert", "llama", str(tmp_path / "llama"), str(tmp_path / "fox2"), "--force", "--keep-rope"])
+    assert json.loads((tmp_path / "fox2" / "config.json").read_text())["use_rope"] is True
     assert not leftovers(tmp_path)
 
 
-def test_a_failure_midway_leaves_no_partial_output(tmp_path, monkeypatch):
+def test_force_never_replaces_a_folder_holding_the_source_or_the_working_directory(tmp_path, monkeypatch):
+    # `foxlm convert llama models/llama models --force` deleted models/other_model before.
+    models = tmp_path / "models"
+    save_tiny(models / "llama")
+    (models / "other_model").mkdir()
+    (models / "other_model" / "weights.bin").write_text("precious")
+    (models / ".foxlm-output").write_text("{}")  # even a folder foxlm wrote
+    with pytest.raises(SystemExit, match="holds the source"):
+        main(["convert", "llama", str(models / "llama"), str(models), "--force"])
+    with pytest.raises(SystemExit, match="holds the source"):
+        main(["convert", "llama", str(models / "llama"), str(models / "llama"), "--force"])
+    monkeypatch.chdir(models / "other_model")
+    with pytest.raises(SystemExit, match="holds the working directory"):
+        main(["convert", "llama", str(models / "llama"), str(models / "other_model"), "--force"])
+    with pytest.raises(SystemExit, match="holds the working directory"):
+        main(["convert", "llama", str(models / "llama"), "."])
+    assert (models / "other_model" / "weights.bin").read_text() == "precious"
+    assert (models / "llama" / "config.json").exists() and not leftovers(models) and not leftovers(tmp_path)
+
+
+def test_a_failure_midway_leaves_the_previous_output_and_no_staging(tmp_path, monkeypatch):
     save_tiny(tmp_path / "llama")
-    (tmp_path / "fox").mkdir()
-    (tmp_path / "fox" / "keep.txt").write_text("user data")
+    convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "fox").iterdir()}
 
     def broken(*args):
-        raise RuntimeError("disk full")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(llama_conversion, "save_tokenizer", broken)
-    with pytest.raises(RuntimeError, match="disk full"):
-        convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", force=True)
-    assert [p.name for p in (tmp_path / "fox").iterdir()] == ["keep.txt"] and not leftovers(tmp_path)
+    with pytest.raises(OSError, match="No space left"):
+        convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", force=True, keep_rope=True)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "fox").iterdir()} == before and not leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("drop-q", "lacks 1 tensors its config calls for \\(model.layers.0.self_attn.q_proj.weight\\)"),
+    ("config-with-one-layer-more", "lacks 9 tensors its config calls for \\(model.layers.2"),
+    ("config-with-one-layer-less", "has 9 tensors its config has no place for \\(model.layers.1"),
+], ids=["missing-tensor", "layer-missing", "layer-left-over"])
+def test_a_checkpoint_that_does_not_match_its_config_is_refused_before_writing(tmp_path, damage, message):
+    # Before, transformers filled the missing tensors with random values and the conversion "succeeded".
+    from safetensors.torch import load_file, save_file
+
+    save_tiny(tmp_path / "llama")
+    weights, config_file = tmp_path / "llama" / "model.safetensors", tmp_path / "llama" / "config.json"
+    if damage == "drop-q":
+        tensors = load_file(weights)
+        del tensors["model.layers.0.self_attn.q_proj.weight"]
+        save_file(tensors, weights, metadata={"format": "pt"})
+    else:
+        config = json.loads(config_file.read_text())
+        config["num_hidden_layers"] += 1 if damage == "config-with-one-layer-more" else -1
+        config_file.write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=message):
+        convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox")
+    assert not (tmp_path / "fox").exists() and not leftovers(tmp_path)
+
+
+def test_the_card_says_what_was_checked_and_names_the_source_without_local_paths(tmp_path, monkeypatch):
+    save_tiny(tmp_path / "models" / "my-llama", tie_word_embeddings=False)
+    out = convert_llama_to_fox(tmp_path / "models" / "my-llama", tmp_path / "fox")
+    card = (out / "README.md").read_text()
+    assert str(tmp_path) not in card and "`my-llama`" in card and "foxlm convert llama my-llama fox" in card
+    checked = card.split("## Checked before anything was written")[1].split("##")[0]
+    # 2 layers x 9 tensors, embeddings, final norm, lm_head; new: the gate's weight and bias in each layer.
+    assert "All 21 tensors" in checked and "none missing" in checked
+    assert "New, set by the converter: 4 tensors" in checked
+    # Install instructions that work: foxlm comes from its repository, and nothing needs a checkout's examples/.
+    assert "pip install foxlm" not in card and "examples/" not in card and "pip install -e ." in card
+    assert 'from_pretrained("fox", trust_remote_code=True)' in card
+    assert json.loads((out / ".foxlm-output").read_text())["written_by"].startswith("foxlm ")
+
+
+def test_outputs_get_the_usual_permissions(tmp_path):
+    save_tiny(tmp_path / "llama")
+    old_umask = os.umask(0o022)
+    try:
+        out = convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox")
+    finally:
+        os.umask(old_umask)
+    assert (out.stat().st_mode & 0o777) == 0o755  # was 0700 (tempfile.mkdtemp)
+    assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {0o644}  # safetensors writes 0600
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(gate_init="open", gate_bias=float("nan")), "gate bias must be a finite number"),
+    (dict(gate_init="open", gate_bias=float("inf")), "gate bias must be a finite number"),
+    (dict(decay_times=(64.0, 2.0)), "0 < MIN <= MAX"),
+    (dict(decay_times=(2.0, float("inf"))), "0 < MIN <= MAX"),
+    (dict(max_shard_size="garbage"), "max shard size must be a positive size"),
+    (dict(max_shard_size="0MB"), "max shard size must be a positive size"),
+    (dict(max_shard_size="-5MB"), "max shard size must be a positive size"),
+    (dict(max_shard_size=0), "max shard size must be a positive size"),
+], ids=["bias-nan", "bias-inf", "decay-times-reversed", "decay-time-inf", "shard-garbage", "shard-0MB", "shard-minus",
+        "shard-0"])
+def test_bad_options_are_refused_before_the_model_is_loaded(tmp_path, monkeypatch, options, message):
+    save_tiny(tmp_path / "llama")
+    monkeypatch.setattr(llama_conversion, "load_source_model", lambda *a: pytest.fail("loaded the model"))
+    with pytest.raises(ConversionError, match=message):
+        convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", **options)
+    assert not (tmp_path / "fox").exists()
 
 
 def test_hub_id_resolves_from_the_local_cache_offline(tmp_path):

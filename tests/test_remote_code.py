@@ -129,3 +129,14 @@ def test_push_to_hub_uploads_the_code_with_the_weights(make_model, tmp_path, mon
     files = {p.name for p in uploaded.iterdir()}
     assert {"config.json", "model.safetensors", "modeling_fox.py", "configuration_fox.py"} <= files
     assert '"AutoModelForCausalLM": "modeling_fox.FoxForCausalLM"' in (uploaded / "config.json").read_text()
+
+
+def test_saving_without_remote_code_drops_an_auto_map_from_an_earlier_save(tmp_path, make_model):
+    from foxlm import FoxForCausalLM
+
+    make_model().save_pretrained(tmp_path / "with-code")
+    reloaded = FoxForCausalLM.from_pretrained(tmp_path / "with-code")  # its config has the folder's auto_map
+    reloaded.save_pretrained(tmp_path / "without-code", save_remote_code=False)
+    config = json.loads((tmp_path / "without-code" / "config.json").read_text())
+    assert "auto_map" not in config and not (tmp_path / "without-code" / "modeling_fox.py").exists()
+    assert reloaded.config.auto_map  # the model in memory keeps it

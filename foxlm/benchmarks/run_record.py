@@ -51,12 +51,11 @@ def record_path(out_dir, kind, record):
 
 
 def write_record(path, record):
-    """Writes through a temporary file, so that a run stopped mid-write never leaves half a JSON file."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    partial = path + ".partial"
-    with open(partial, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(partial, path)
+    """Writes through a staged file renamed into place (`foxlm.outputs`), so that a run stopped mid-write never leaves
+    half a JSON file."""
+    from ..outputs import write_file_atomic
+
+    write_file_atomic(path, json.dumps(record, indent=1))
 
 
 def _foxlm_source_digest():

@@ -8,16 +8,20 @@ trained to reproduce the source's (`transfer.py`).
 """
 
 import logging
+import math
+import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedConfig
 
 from ..configuration_fox import FoxConfig
+from ..model_card import conversion_card
 from ..modeling_fox import FoxForCausalLM, fgate_bias_init_values
-from .model_card import write_model_card
-from .output import ConversionError, atomic_output_dir, check_output_dir, torch_dtype
+from ..outputs import check_target, staged_folder
+from .output import ConversionError, check_shard_size, torch_dtype
 from .transfer import DEFAULT_LR as DEFAULT_TRANSFER_LR
 from .transfer import transfer_attention
 
@@ -48,6 +52,10 @@ GATE_INITS = ("open", "decay-spread")
 DEFAULT_GATE_INIT = "decay-spread"
 DEFAULT_GATE_BIAS = 5.0
 DEFAULT_DECAY_TIMES = (2.0, 512.0)
+# The tensors a FoX model has and a LLaMA-family source does not: what the converter sets itself.
+NEW_TENSORS = re.compile(r"\.self_attn\.(fgate_proj\.(weight|bias)|o_proj\.bias)$")
+# What the Hub accepts as a model id: a name, or a namespace and a name.
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 def resolve_source(source):
@@ -57,11 +65,25 @@ def resolve_source(source):
         if path.suffix != ".gguf":
             raise ConversionError(f"{source} is a file but not a .gguf file; give a folder, a Hub id or a GGUF file.")
         return str(path.parent), {"gguf_file": path.name}
-    if path.is_dir() or str(source).endswith(".gguf") or str(source).startswith((".", "/", "~")):
-        if not path.is_dir():
-            raise ConversionError(f"{source} does not exist.")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConversionError(f"{source} has no config.json: give a transformers model folder (config.json and "
+                                  "weights), a Hub id or a .gguf file.")
         return str(path), {}
+    if str(source).endswith(".gguf") or not HUB_ID.match(str(source)):
+        raise ConversionError(f"{source} does not exist (and is not a Hub model id); check the path.")
     return str(source), {}  # a Hub id, resolved through the Hugging Face cache (works offline once cached)
+
+
+def check_gate_options(gate_init, gate_bias, decay_times):
+    """The forget-gate options of a conversion, checked before any work."""
+    if gate_init not in GATE_INITS:
+        raise ConversionError(f"gate_init must be one of {GATE_INITS}, got {gate_init!r}.")
+    if not math.isfinite(gate_bias):
+        raise ConversionError(f"gate bias must be a finite number (5 gives f = 0.993), got {gate_bias}.")
+    low, high = decay_times
+    if not (math.isfinite(low) and math.isfinite(high) and 0 < low <= high):
+        raise ConversionError(f"decay times must be finite numbers of tokens with 0 < MIN <= MAX, got {low} {high}.")
 
 
 def load_source_config(source):
@@ -71,8 +93,14 @@ def load_source_config(source):
         # The raw dict first: an unsupported model_type may be one transformers cannot even parse.
         raw, _ = PreTrainedConfig.get_config_dict(name_or_path, **kwargs)
     except (OSError, ValueError, KeyError) as error:
-        raise ConversionError(f"could not read a model config from {source}: {error}") from error
+        hub = ("" if Path(name_or_path).is_dir() else
+               " (no local folder or file, nor a model on the Hub or in its cache)")
+        message = " ".join(str(error).split())  # transformers' messages span lines; ours is one
+        raise ConversionError(f"could not read a model config from {source}{hub}: {message}") from error
     model_type, architectures = raw.get("model_type"), raw.get("architectures") or []
+    if model_type is None:
+        raise ConversionError(f"the config of {source} names no model_type: not a transformers model; foxlm convert "
+                              f"llama supports {SUPPORTED_TEXT}.")
     expected = SUPPORTED_ARCHITECTURES.get(model_type)
     if expected is None or any(name != expected for name in architectures):
         found = ", ".join(architectures) or "no architectures listed"
@@ -87,8 +115,7 @@ def load_source_config(source):
 def fox_config_from_llama(config, *, keep_rope=False, gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS,
                           decay_times=DEFAULT_DECAY_TIMES):
     """A FoxConfig with the source's sizes, a data-dependent forget gate and, with `keep_rope`, its RoPE."""
-    if gate_init not in GATE_INITS:
-        raise ConversionError(f"gate_init must be one of {GATE_INITS}, got {gate_init!r}.")
+    check_gate_options(gate_init, gate_bias, decay_times)
     fields = {name: getattr(config, name) for name in COPIED_FIELDS if getattr(config, name, None) is not None}
     fields["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     # Qwen2 always has q/k/v biases (its config has no flag); FoX's flag also gives o_proj a bias, which starts at 0.
@@ -155,7 +182,8 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, dtype="auto", m
     or `output_dir` is not empty and `force` is False; the output appears complete or not at all. Returns the output
     folder as a Path.
     """
-    check_output_dir(output_dir, force)
+    check_target(output_dir, force=force, sources=[source])
+    max_shard_size = check_shard_size(max_shard_size)
     if isinstance(transfer_steps, bool) or not isinstance(transfer_steps, int) or transfer_steps < 0:
         raise ConversionError(f"transfer_steps must be a non-negative integer, got {transfer_steps!r}.")
     if (transfer_steps > 0) != (transfer_data is not None):
@@ -171,12 +199,13 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, dtype="auto", m
 
     steps = tqdm(total=5 if transfer_steps else 4, desc="foxlm convert llama", unit="step")
     steps.set_postfix_str("loading the source model")
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=target_dtype, **kwargs)
+    model = load_source_model(source, name_or_path, kwargs, target_dtype)
     if transfer_steps:  # before converting, so that the source and the FoX model share their tensors there too
         model.to(transfer_device or ("cuda" if torch.cuda.is_available() else "cpu"))
     steps.update()
     steps.set_postfix_str("adding forget gates")
     fox = fox_from_llama(model, **options)
+    verified = check_tensors_from_source(fox, model, gguf="gguf_file" in kwargs)
     notes = conversion_notes(source_config)
     for note in notes:
         logger.warning(note)
@@ -188,7 +217,7 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, dtype="auto", m
         notes.append(transfer_note(record, transfer_lr))
         steps.update()
     del model
-    with atomic_output_dir(output_dir, force) as staging:
+    with staged_folder(output_dir, force=force, sources=[source], holds="converted model") as staging:
         steps.set_postfix_str("saving the model")
         fox.save_pretrained(staging, max_shard_size=max_shard_size)
         steps.update()
@@ -196,12 +225,60 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, dtype="auto", m
         tokenizer_saved = save_tokenizer(name_or_path, kwargs, staging)
         if not (staging / "generation_config.json").exists():
             GenerationConfig.from_model_config(fox.config).save_pretrained(staging)
-        write_model_card(staging, name=Path(output_dir).name, kind="llama", source=str(source),
-                         source_config=source_config, config=fox.config, options=options, dtype=target_dtype,
-                         tokenizer_saved=tokenizer_saved, notes=notes)
+        card = conversion_card(name=Path(output_dir).name, kind="llama", source=source, source_config=source_config,
+                               config=fox.config, options=options, dtype=target_dtype, verified=verified,
+                               tokenizer_saved=tokenizer_saved, notes=notes)
+        (staging / "README.md").write_text(card)
         steps.update()
     steps.close()
     return Path(output_dir)
+
+
+def load_source_model(source, name_or_path, kwargs, dtype):
+    """The source model, refused when its checkpoint lacks a tensor its config calls for (transformers would fill it
+    with random values), holds one the model has no place for (it would be dropped), or has one of another shape."""
+    try:
+        model, report = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, output_loading_info=True,
+                                                             **kwargs)
+    except (OSError, ValueError, SafetensorError) as error:
+        message = " ".join(str(error).split())
+        raise ConversionError(f"could not load the weights of {source}: {message}. A truncated or corrupt weights "
+                              "file is the usual cause: download or save the checkpoint again.") from error
+    problems = {
+        "lacks {} tensors its config calls for": sorted(report["missing_keys"]),
+        "has {} tensors its config has no place for": sorted(key for key in report["unexpected_keys"]
+                                                          if not key.endswith("rotary_emb.inv_freq")),
+        "has {} tensors of another shape than its config gives": sorted(map(str, report["mismatched_keys"])),
+    }
+    found = [f"{what.format(len(keys))} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+             for what, keys in problems.items() if keys]
+    if found:
+        raise ConversionError(f"the checkpoint {source} does not match its config: it {'; it '.join(found)}. "
+                              "Nothing was written: fix the checkpoint or its config.json (num_hidden_layers, sizes).")
+    return model
+
+
+def check_tensors_from_source(fox, source_model, gguf=False):
+    """Check, by name and shape, that every tensor of `fox` came from `source_model` except the new FoX ones
+    (`NEW_TENSORS`); returns what was checked, as lines for the model card."""
+    source = {name: tuple(tensor.shape) for name, tensor in source_model.state_dict().items()}
+    target = {name: tuple(tensor.shape) for name, tensor in fox.state_dict().items()}
+    new = [name for name in target if name not in source]
+    wrong = [name for name in new if not NEW_TENSORS.search(name)]
+    wrong += [name for name in target if name in source and target[name] != source[name]]
+    if wrong:
+        raise ConversionError(f"the converted model has tensors that did not come from the source: {wrong[:5]}")
+    left_out = [name for name in source if name not in target and not name.endswith("rotary_emb.inv_freq")]
+    if left_out:
+        raise ConversionError(f"tensors of the source have no place in the converted model: {left_out[:5]}")
+    read = " (dequantized from the GGUF file by transformers)" if gguf else ""
+    kinds = sorted({NEW_TENSORS.search(name)[1] for name in new})
+    return [
+        f"All {len(target) - len(new)} tensors of the converted model other than the new ones below came from the "
+        f"source checkpoint{read}, matched by name and shape. transformers' loading report showed none missing from "
+        "the checkpoint, none of another shape and none left over: no tensor was initialised at random.",
+        f"New, set by the converter: {len(new)} tensors ({', '.join(f'`{kind}`' for kind in kinds)} in each layer).",
+    ]
 
 
 def conversion_notes(config):

@@ -13,14 +13,16 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from ..configuration_fox import FoxConfig
+from ..model_card import conversion_card
 from ..modeling_fox import FoxForCausalLM
-from .model_card import write_model_card
-from .output import ConversionError, atomic_output_dir, check_output_dir, torch_dtype
+from ..outputs import check_target, staged_folder
+from .output import ConversionError, check_shard_size, torch_dtype
 
 OFFICIAL_MODEL_TYPE = "forgetting_transformer-project_fox"
 FGATE_TYPES = {"full": "data_dependent", "bias_only": "data_independent", "fixed": "fixed", "none": "none"}
@@ -35,6 +37,7 @@ OFFICIAL_RENAMES = (
     (r"\.self_attn\.fgate_bias$", ".self_attn.fgate_bias.bias"),
 )
 TOKENIZER_FILES = ("tokenizer*", "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json")
+REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_heads")  # the official config's sizes without defaults
 
 
 def official_mlp_width(config):
@@ -49,6 +52,13 @@ def fox_config_from_official(config):
     if config.get("model_type") != OFFICIAL_MODEL_TYPE:
         raise ConversionError(f"model_type is {config.get('model_type')!r}, not {OFFICIAL_MODEL_TYPE!r}: not an "
                               "official FoX checkpoint (LLaMA-family models go through `foxlm convert llama`).")
+    missing = [name for name in REQUIRED_FIELDS if not isinstance(config.get(name), int) or config[name] < 1]
+    if missing:
+        raise ConversionError(f"the config has no valid {', '.join(missing)} (positive integers that every official "
+                              "FoX config.json holds): is it complete?")
+    if config["hidden_size"] % config["num_heads"]:
+        raise ConversionError(f"hidden_size {config['hidden_size']} is not a multiple of num_heads "
+                              f"{config['num_heads']}.")
     if config.get("num_kv_heads") is not None:
         raise ConversionError("official checkpoints have no `num_kv_heads` (the official layer rejects it).")
     if config.get("hidden_act", "swish") != "swish":
@@ -133,13 +143,20 @@ def load_official_checkpoint(source):
     config_file = folder / "config.json"
     if not config_file.exists():
         raise ConversionError(f"{folder} has no config.json.")
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError as error:
+        raise ConversionError(f"{config_file} is not valid JSON ({error}): download the checkpoint again.") from error
     files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
     if not files:
         raise ConversionError(f"{folder} has no *.safetensors or pytorch_model*.bin weights.")
     state_dict = {}
     for file in tqdm(files, desc="reading weights", disable=len(files) < 2):
-        state_dict.update(load_file(file) if file.suffix == ".safetensors" else torch.load(file, weights_only=True))
+        try:
+            state_dict.update(load_file(file) if file.suffix == ".safetensors" else torch.load(file, weights_only=True))
+        except (SafetensorError, RuntimeError, OSError, ValueError) as error:
+            raise ConversionError(f"could not read {file.name} of {source}: {' '.join(str(error).split())}. The file "
+                                  "is truncated or corrupt: download the checkpoint again.") from error
     return folder, config, state_dict
 
 
@@ -152,6 +169,10 @@ def fox_from_official(config, state_dict, dtype=None):
     if expected != given:
         raise ConversionError(f"checkpoint does not match its config: missing {sorted(expected - given)[:5]}, "
                               f"unexpected {sorted(given - expected)[:5]}")
+    wrong = [f"{name} {tuple(converted[name].shape)}, not {tuple(tensor.shape)}" for name, tensor in
+             fox.state_dict().items() if converted[name].shape != tensor.shape]
+    if wrong:
+        raise ConversionError(f"checkpoint does not match its config: {'; '.join(wrong[:3])}")
     fox.load_state_dict(converted)
     if dtype is not None:
         fox.to(dtype)
@@ -160,12 +181,15 @@ def fox_from_official(config, state_dict, dtype=None):
 
 def convert_official_to_fox(source, output_dir, *, dtype="auto", max_shard_size="5GB", force=False):
     """Convert an official FoX checkpoint (folder or Hub id) into a foxlm model folder; returns it as a Path."""
-    check_output_dir(output_dir, force)
+    check_target(output_dir, force=force, sources=[source])
+    max_shard_size = check_shard_size(max_shard_size)
     folder, config, state_dict = load_official_checkpoint(source)
     source_dtype = next(iter(state_dict.values())).dtype
     target_dtype = torch_dtype(dtype, source_dtype)
     fox = fox_from_official(config, state_dict, target_dtype)
-    with atomic_output_dir(output_dir, force) as staging:
+    verified = [f"The checkpoint's {len(state_dict)} tensors and this model's {len(fox.state_dict())} match one to one "
+                "after the renames above, by name and shape (none missing, none left over)."]
+    with staged_folder(output_dir, force=force, sources=[source], holds="converted model") as staging:
         fox.save_pretrained(staging, max_shard_size=max_shard_size)
         tokenizer_files = [f for pattern in TOKENIZER_FILES for f in folder.glob(pattern)]
         for file in tokenizer_files:
@@ -175,6 +199,7 @@ def convert_official_to_fox(source, output_dir, *, dtype="auto", max_shard_size=
             shutil.copy(generation, staging / generation.name)
         else:
             GenerationConfig.from_model_config(fox.config).save_pretrained(staging)
-        write_model_card(staging, name=Path(output_dir).name, kind="official", source=str(source),
-                         config=fox.config, dtype=target_dtype, tokenizer_saved=bool(tokenizer_files))
+        card = conversion_card(name=Path(output_dir).name, kind="official", source=source, config=fox.config,
+                               dtype=target_dtype, tokenizer_saved=bool(tokenizer_files), verified=verified)
+        (staging / "README.md").write_text(card)
     return Path(output_dir)

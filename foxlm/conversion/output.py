@@ -1,51 +1,20 @@
-"""Writing a converted model: an output folder that appears complete or not at all."""
+"""What the converters share: their error, and the output options checked before any work (where and how the
+converted folder is written is foxlm.outputs' policy)."""
 
-import contextlib
-import shutil
-import tempfile
-from pathlib import Path
+import re
 
 import torch
 
+from ..errors import FoxlmError
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# The sizes `save_pretrained` takes as strings (huggingface_hub parses them): a number and a decimal unit.
+_SHARD_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*(KB|MB|GB|TB)\s*$", flags=re.IGNORECASE)
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
 
-class ConversionError(ValueError):
+class ConversionError(FoxlmError):
     """A checkpoint cannot be converted; the message says why and what is supported. Nothing was written."""
-
-
-def check_output_dir(output_dir, force):
-    """Fail before any work when `output_dir` would be overwritten without `force`."""
-    output_dir = Path(output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ConversionError(f"{output_dir} exists and is not a folder.")
-    if output_dir.exists() and any(output_dir.iterdir()) and not force:
-        raise ConversionError(f"{output_dir} exists and is not empty; pass --force (force=True) to replace it.")
-
-
-@contextlib.contextmanager
-def atomic_output_dir(output_dir, force):
-    """Yield a temporary folder next to `output_dir`; on success it replaces `output_dir`, on error it is removed.
-
-    The temporary folder sits in the same parent so the final rename stays on one file system. An existing
-    `output_dir` is only removed (with `force`) once the new one is complete.
-    """
-    output_dir = Path(output_dir).absolute()
-    check_output_dir(output_dir, force)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.converting-", dir=output_dir.parent))
-    try:
-        yield staging
-        if output_dir.exists():
-            check_output_dir(output_dir, force)
-            previous = output_dir.with_name(f"{staging.name}.previous")
-            output_dir.rename(previous)
-            staging.rename(output_dir)
-            shutil.rmtree(previous)
-        else:
-            staging.rename(output_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def torch_dtype(dtype, source_dtype):
@@ -55,3 +24,17 @@ def torch_dtype(dtype, source_dtype):
     if dtype not in DTYPES:
         raise ConversionError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}.")
     return DTYPES[dtype]
+
+
+def check_shard_size(max_shard_size):
+    """`max_shard_size` as `save_pretrained` takes it, checked before any work: a positive number of bytes, or a
+    string such as "5GB" (units KB, MB, GB, TB)."""
+    if isinstance(max_shard_size, int) and not isinstance(max_shard_size, bool):
+        size = max_shard_size
+    else:
+        match = _SHARD_SIZE.match(max_shard_size) if isinstance(max_shard_size, str) else None
+        size = float(match[1]) * _UNITS[match[2].upper()] if match else 0
+    if size < 1:
+        raise ConversionError(f"max shard size must be a positive size such as 5GB, 500MB or 100KB (units KB, MB, "
+                              f"GB, TB) or a number of bytes, got {max_shard_size!r}.")
+    return max_shard_size

@@ -25,6 +25,16 @@ def on_device_of(x):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
+def masked_softmax(scores, visible):
+    """softmax(scores) over the last dim, over the `visible` entries only. A row that sees no entry (left padding)
+    is zero by construction, as in the Triton kernels; NaN and inf in visible scores stay NaN, never zeroed: a
+    diverging model shows on every backend. The empty rows are computed on zeros, so that their gradient is zero, not
+    NaN."""
+    sees_some = visible.any(-1, keepdim=True)
+    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~sees_some, 0.0)
+    return torch.softmax(scores, dim=-1).masked_fill(~sees_some, 0.0)
+
+
 def last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 

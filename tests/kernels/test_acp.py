@@ -216,3 +216,22 @@ def test_custom_op_registrations_with_pruning():
     log_fgate = torch.full((1, 20, 2), -2.0, device=DEVICE, requires_grad=True)
     args = (q, k, v, log_fgate, False, 0.25, None, None, None, True, 1e-3, torch.ones(1, 2, device=DEVICE), True)
     torch.library.opcheck(torch.ops.foxlm.forgetting_attention, args)
+
+
+@pytest.mark.parametrize("gate_is_cumsum", [False, True], ids=["log_fgate", "fgate_cumsum"])
+def test_heads_whose_gate_rises_are_not_pruned(gate_is_cumsum):
+    # ACP's bound needs c never to rise (f <= 1). With one log f = +80 the kernels skipped the keys it revives
+    # (an output error of 2.7 against a bound of 0.17); now that head runs exact, the others are still pruned.
+    torch.manual_seed(0)
+    B, T, H, D = 1, 128, 2, 16
+    q, k = (torch.randn(B, T, H, D, device=DEVICE) * 0.3 for _ in range(2))
+    v = torch.randn(B, T, H, D, device=DEVICE)
+    log_fgate = torch.full((B, T, H), -1.0, device=DEVICE)
+    log_fgate[0, 20, 0] = 80.0
+    gate = dict(fgate_cumsum=log_fgate.cumsum(1)) if gate_is_cumsum else dict(log_fgate=log_fgate)
+    exact = forgetting_attention(q, k, v, backend="triton", **gate)
+    with acp_statistics() as stats:
+        pruned = forgetting_attention(q, k, v, backend="triton", prune_eps=EPS, **gate)
+    assert (pruned - exact).abs().max() <= 2 * EPS * v.abs().max()
+    (per_head,) = stats.per_call()
+    assert per_head[0] == 0 and per_head[1] > 0.5

@@ -54,6 +54,9 @@ def _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start):
         raise ValueError(f"`v` must match `k` in (batch, seqlen, heads): got {tuple(v.shape)} and {tuple(k.shape)}.")
     if Bk != B or Dk != D:
         raise ValueError(f"`k` {tuple(k.shape)} must match `q` {tuple(q.shape)} in batch and head_dim.")
+    if v.shape[3] != D:
+        raise ValueError(f"`v` {tuple(v.shape)} must have the head_dim of `q` and `k` ({D}); the kernels read v "
+                         "tiles of that width.")
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}).")
     if Tq > Tk:
@@ -87,6 +90,23 @@ def _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start):
         if seq_start.device != q.device:
             raise ValueError(f"`seq_start` is on {seq_start.device} but `q` is on {q.device}.")
     return longest
+
+
+def rising_gate_heads(gate, gate_is_cumsum, cu_seqlens, seq_start):
+    """(batch, query heads) bool: where some used log f is > 0 (c rises). ACP's bound assumes c never rises (a
+    forget gate f <= 1), so the caller prunes nothing there (U = inf): exact, on the device, without a sync."""
+    rise = gate.detach()
+    if gate_is_cumsum:  # log f_t = c_t - c_{t-1}; only differences within a sequence matter, not where c starts
+        rise = torch.nn.functional.pad(rise.diff(dim=1), (0, 0, 1, 0))
+        if cu_seqlens is not None:
+            starts = torch.zeros(rise.shape[1] + 1, dtype=torch.bool, device=rise.device)
+            starts[cu_seqlens[:-1].long()] = True  # on the device: no sync for the boundaries
+            rise = rise.masked_fill(starts[None, :-1, None], 0.0)
+    if seq_start is not None:  # keys before seq_start are unused; with c given, so is the step into seq_start
+        positions = torch.arange(rise.shape[1], device=rise.device)[None, :]
+        unused = positions <= seq_start[:, None] if gate_is_cumsum else positions < seq_start[:, None]
+        rise = rise.masked_fill(unused[:, :, None], 0.0)
+    return (rise > 0).any(dim=1)
 
 
 def packed_sequence_lengths(cu_seqlens, total):
@@ -172,6 +192,8 @@ def forgetting_attention(
     if prune_eps is not None and not 0 < prune_eps < 1:
         raise ValueError(f"`prune_eps` must be in (0, 1) or None, got {prune_eps}.")
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"`sm_scale` must be a finite number, got {sm_scale}.")
     prune = on_triton and prune_eps is not None
     if prune:
         if score_bound is None:
@@ -179,6 +201,9 @@ def forgetting_attention(
         elif not isinstance(score_bound, torch.Tensor):  # a fill, not a host-to-device copy (no sync)
             score_bound = torch.full((), float(score_bound), device=q.device)
         score_bound = score_bound.detach().to(device=q.device, dtype=torch.float32)
+        rising = rising_gate_heads(log_fgate if log_fgate is not None else fgate_cumsum, log_fgate is None,
+                                   cu_seqlens, seq_start)
+        score_bound = score_bound.expand(rising.shape).masked_fill(rising, float("inf"))
     gate_is_cumsum = log_fgate is None
     out, _, pruned_counts, _, _ = torch.ops.foxlm.forgetting_attention(
         q, k, v, fgate_cumsum if gate_is_cumsum else log_fgate, gate_is_cumsum, sm_scale,

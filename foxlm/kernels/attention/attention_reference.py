@@ -12,6 +12,8 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..common import masked_softmax
+
 # Scores held at once per chunk (batch * heads * queries * keys); 2**24 fp32 scores = 64 MiB.
 _MAX_SCORES_PER_CHUNK = 2**24
 
@@ -59,10 +61,7 @@ def _attend_chunk(q, k, v, cumsum_q, cumsum_k, key_valid, sm_scale):
     bias = (cumsum_q - anchor).to(compute_dtype)[..., :, None] - (cumsum_k - anchor).to(compute_dtype)[..., None, :]
     causal = torch.arange(N, device=q.device)[None, :] <= torch.arange(N - M, N, device=q.device)[:, None]
     visible = causal[None, None, None] & key_valid[:, None, None, None, :]
-    scores = (scores + bias).masked_fill(~visible, float("-inf"))
-    # A query that sees no key (left padding) gets output 0 instead of NaN.
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return torch.matmul(probs, v)
+    return torch.matmul(masked_softmax(scores + bias, visible), v)
 
 
 def _dense_forgetting_attention(q, k, v, cumsum, sm_scale, seq_start):
@@ -174,8 +173,7 @@ def attention_backward_reference(do, q, k, v, c, sm_scale, seq_start):
         bias = bias - (cg[..., None, :n] - anchor[..., None])
         scores = torch.matmul(qg[:, :, :, start:end], kg[:, :, :, :n].transpose(-1, -2)) * sm_scale + bias.to(dtype)
         causal = torch.arange(n, device=q.device)[None, :] <= torch.arange(offset + start, n, device=q.device)[:, None]
-        scores = scores.masked_fill(~(causal[None, None, None] & key_valid[:, None, None, None, :n]), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        probs = masked_softmax(scores, causal[None, None, None] & key_valid[:, None, None, None, :n])
         do_chunk = dog[:, :, :, start:end]
         dp = torch.matmul(do_chunk, vg[:, :, :, :n].transpose(-1, -2))
         ds = probs * (dp - (probs * dp).sum(-1, keepdim=True))

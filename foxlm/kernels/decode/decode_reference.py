@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from ..common import masked_softmax
+
 
 def forgetting_decode_reference(q, k, v, fgate_cumsum, *, sm_scale=None, seq_start=None, acp_delta=None):
     """Pure-PyTorch twin of the decode kernel (float64 for float64 inputs, else float32)."""
@@ -23,6 +25,6 @@ def forgetting_decode_reference(q, k, v, fgate_cumsum, *, sm_scale=None, seq_sta
         visible = visible & (keys >= seq_start[:, None, None, None, None])
     if acp_delta is not None:
         visible = visible & (bias >= acp_delta.view(B, Hkv, group, 1, 1))
-    scores = (torch.matmul(qg, kg.transpose(-1, -2)) * sm_scale + bias).masked_fill(~visible, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1).nan_to_num(0.0), vg)
+    scores = torch.matmul(qg, kg.transpose(-1, -2)) * sm_scale + bias
+    out = torch.matmul(masked_softmax(scores, visible), vg)
     return out.permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq, D).to(q.dtype)

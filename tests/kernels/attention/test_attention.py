@@ -82,3 +82,36 @@ def test_triton_backend_rejects_what_it_cannot_run():
         forgetting_attention(q, k, v, log_fgate, backend="triton")
     with pytest.raises(ValueError, match="float64"):
         forgetting_attention(q.double(), k.double(), v.double(), log_fgate, backend="triton")
+
+
+@pytest.mark.parametrize("where, value", [
+    ("q", float("nan")), ("k", float("nan")), ("log_fgate", float("nan")), ("q", float("inf")), ("k", float("inf")),
+    ("log_fgate", float("-inf")),
+])
+def test_nan_and_inf_propagate_on_the_reference_as_in_the_triton_kernel(where, value):
+    # The reference's nan_to_num, meant for rows that see no key, used to turn these into zeros with finite
+    # gradients: a diverging run looked healthy on the CPU.
+    torch.manual_seed(0)
+    q, k, v, log_fgate = make_inputs(2, 40, 40, 2, 1, 16)
+    inputs = dict(q=q, k=k, v=v, log_fgate=log_fgate)
+    inputs[where][(1, 20, 0, 3) if where != "log_fgate" else (1, 20, 0)] = value
+    seq_start = torch.tensor([0, 7], device=DEVICE)
+    grad_out = torch.randn(2, 40, 2, 16, device=DEVICE)
+    results = {backend: outputs_and_grads(lambda *a, b=backend: forgetting_attention(
+        *a, backend=b, seq_start=seq_start), list(inputs.values()), grad_out) for backend in BACKENDS}
+    triton, reference = results["triton"], results["reference"]
+    assert reference[0].isnan().any() and torch.equal(reference[0].isnan(), triton[0].isnan())
+    torch.testing.assert_close(reference[0].nan_to_num(), triton[0].nan_to_num(), atol=1e-4, rtol=1e-4)
+    assert torch.all(reference[0][1, :7] == 0) and torch.all(reference[0][0].isfinite())  # zero rows stay zero
+    for name, got, want in zip(inputs, reference[1:], triton[1:]):  # the step's gradients show it on both
+        assert got.isnan().any() == want.isnan().any(), name
+
+
+def test_v_must_have_the_head_dim_of_q_and_k_and_sm_scale_be_finite():
+    # The Triton path read v out of bounds with a narrower v; a NaN sm_scale was zeroed on the reference path.
+    q, k, v, log_fgate = make_inputs(1, 8, 8, 2, 1, 16)
+    with pytest.raises(ValueError, match="`v` .* must have the head_dim of `q` and `k` \\(16\\)"):
+        forgetting_attention(q, k, v[..., :8], log_fgate, backend="reference")
+    for sm_scale in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="`sm_scale` must be a finite number"):
+            forgetting_attention(q, k, v, log_fgate, sm_scale=sm_scale)

@@ -102,3 +102,15 @@ def test_dispatch_and_argument_checks():
         forgetting_decode(q.repeat(1, 9, 1, 1), k, v, c)
     with pytest.raises(ValueError, match="fgate_cumsum"):
         forgetting_decode(q, k, v, c[..., :1])
+
+
+def test_nan_propagates_on_the_reference_as_in_the_kernel_and_padding_rows_stay_zero():
+    # The reference zeroed NaN (nan_to_num, meant for queries that see no key).
+    q, k, v, c = make_cache(2, 2, 40, 2, 1, 16)
+    q[1, 1, 0, 3] = float("nan")
+    k[0, 30, 0, 5] = float("nan")
+    seq_start = torch.tensor([0, 39], device=DEVICE)  # batch 1's first new token sees no key
+    reference = forgetting_decode_reference(q, k, v, c, seq_start=seq_start)
+    kernel = triton_forgetting_decode(q, k, v, c, 0.25, seq_start, None)
+    assert reference.isnan().any() and torch.equal(reference.isnan(), kernel.isnan())
+    assert torch.all(reference[1, 0] == 0) and torch.all(kernel[1, 0] == 0)
