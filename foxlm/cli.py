@@ -544,6 +544,14 @@ def build_parser():
     return parser
 
 
+def is_user_failure(error):
+    """Whether a failure is the input's or the machine's (one line), not a bug in foxlm (a traceback)."""
+    import torch  # here, not at the top: --help and --version do not wait for it
+    from safetensors import SafetensorError
+
+    return isinstance(error, (FoxlmError, OSError, SafetensorError, torch.OutOfMemoryError))
+
+
 def failure_message(error):
     """One line saying what went wrong and what to do, for a failure that is not a bug in foxlm."""
     import torch
@@ -575,9 +583,6 @@ def main(argv=None):
     parser = build_parser()
     # finetune's and bench's options belong to the job and the benchmarks they run, which parse them themselves.
     args, extra = parser.parse_known_args(argv)
-    import torch  # after parsing: --help and --version do not wait for it
-    from safetensors import SafetensorError
-
     try:
         if args.command == "finetune":
             run_finetune(extra)
@@ -587,9 +592,9 @@ def main(argv=None):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         else:
             args.func(args)
-    except (FoxlmError, OSError, SafetensorError, torch.OutOfMemoryError) as error:
+    except Exception as error:
         # Bad input, or the disk: one line and a non-zero exit. Anything else is a bug and shows its traceback.
-        if debug:
+        if debug or not is_user_failure(error):
             raise
         sys.exit(f"error: {failure_message(error)}")
 

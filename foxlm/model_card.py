@@ -138,8 +138,11 @@ def fine_tuning_facts(converted_dir, trainer, args):
         data = (f"text files matching `{Path(args.text_files).name}` ({EVAL_PERCENT}% of them held out for "
                 "evaluation by a hash of their path)")
     else:
-        data = (f"the Python standard library's source files ({EVAL_PERCENT}% of them held out for evaluation by a "
-                "hash of their path)")
+        data = ("code and documentation: the Python standard library's sources, Python's documentation and the Linux "
+                f"man pages ({EVAL_PERCENT}% of each corpus's files held out for evaluation by a hash of their path)")
+    kl_weight = getattr(args, "kl_weight", 0)
+    objective = (f"next-token loss plus {kl_weight:g} x KL(original || FoX) of the next-token distributions at "
+                 "positions inside the original's context" if kl_weight else "next-token loss")
     losses = [(entry["step"], entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
     conversion_text = (Path(converted_dir) / "README.md").read_text()
     tokens = trainer.args.gradient_accumulation_steps * trainer.args.per_device_train_batch_size * args.context
@@ -149,6 +152,7 @@ def fine_tuning_facts(converted_dir, trainer, args):
         conversion_checked=section_lines(conversion_text, "Checked before anything was written"),
         lora_r=None if args.full else trainer.model.peft_config["default"].r, steps=trainer.state.global_step,
         tokens_per_step=tokens, context=args.context, lr=trainer.args.learning_rate, data=data, losses=losses,
+        objective=objective,
     )
 
 
@@ -164,17 +168,18 @@ def training_lines(facts, merged):
            "modules) trained in full" + (", merged into the weights" if merged else ""))
     return [f"Fine-tuning: {how}; {facts['steps']} optimizer steps of {facts['tokens_per_step']} tokens in "
             f"{facts['context']}-token sequences of packed documents, AdamW at peak learning rate {facts['lr']:g} "
-            f"(warmup, then cosine decay), on {facts['data']}."]
+            f"(warmup, then cosine decay), on {facts['data']}; objective: {facts['objective']}."]
 
 
 def measured_lines(facts):
     lines = []
     if facts["losses"]:
         (first_step, first), (last_step, last) = facts["losses"][0], facts["losses"][-1]
-        lines.append(f"Training loss (mean next-token cross-entropy of the logged steps' tokens): {first:.3f} at "
+        lines.append(f"Training loss (the objective over the logged steps' tokens): {first:.3f} at "
                      f"step {first_step}, {last:.3f} at step {last_step}; the run's train_log.json has every value.")
-    lines.append("`foxlm finetune` then measures the per-token loss L(i) of the original, the converted and the "
-                 "fine-tuned model on the held-out documents (the run's per_token_loss.json and .png); "
+    lines.append("`foxlm finetune` then measures the per-token loss L(i) and the top-1 agreement with the original "
+                 "of the original, the converted and the fine-tuned model on held-out documents of every domain, and "
+                 "needle in a haystack (the run's evaluation.json and .png, needle.json, summary.json); "
                  "`foxlm eval per-token-loss` measures it again on any data.")
     return lines
 

@@ -73,9 +73,9 @@ def test_foxlm_finetune_runs_from_the_installed_package(installed):
     assert run([bin_dir / "foxlm", "finetune", "--help"], cwd=work).startswith("usage: foxlm finetune")
     save_llama_and_corpus(work)
     out = run([bin_dir / "foxlm", "finetune", *finetune_args(work, "run")], cwd=work)
-    assert out.strip().splitlines()[-1] == f"plot: {work / 'run' / 'per_token_loss.png'}"
+    assert out.strip().splitlines()[-1] == f"plot: {work / 'run' / 'evaluation.png'}"
     for name in ("converted/config.json", "adapter/adapter_model.safetensors", "fine-tuned/model.safetensors",
-                 "train_log.json", "per_token_loss.png", "per_token_loss.json"):
+                 "train_log.json", "evaluation.png", "evaluation.json", "summary.json"):
         assert (work / "run" / name).exists(), name
 
 
