@@ -127,11 +127,11 @@ def transfer_options(args):
     from transformers import AutoConfig, AutoTokenizer
 
     from foxlm.conversion.llama import resolve_source
-    from foxlm.conversion.output import check_output_dir
+    from foxlm.outputs import check_target
     from foxlm.conversion.transfer import document_batches
     from foxlm.data import read_texts, text_files, tokenize_documents, training_texts
 
-    check_output_dir(args.output_dir, args.force)  # before tokenizing a corpus for nothing
+    check_target(args.output_dir, force=args.force, sources=[args.source])  # before tokenizing a corpus for nothing
     name_or_path, kwargs = resolve_source(args.source)
     context = getattr(AutoConfig.from_pretrained(name_or_path, **kwargs), "max_position_embeddings", None)
     length = min(args.transfer_length, context or args.transfer_length)

@@ -130,7 +130,8 @@ def test_evaluation_results_killed_while_written_stay_whole(finished_run):
     killed("file:per_token_loss.json", *arguments, "--force")
     assert {path: data for path, data in files(out).items() if ".foxlm-staging." not in path} == previous
     foxlm(list(map(str, [*arguments, "--force"])))
-    assert staging(out) == [] and json.loads((out / "per_token_loss.json").read_text())["documents"] == 2
+    assert staging(out) == [] and json.loads((out / "per_token_loss.json").read_text())["domains"][
+        str(root / "corpus" / "*.txt")]["documents"] == 2
 
 
 def test_a_full_disk_while_saving_the_fine_tuned_model_keeps_the_previous_one(finished_run, monkeypatch, capsys):
