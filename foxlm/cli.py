@@ -122,28 +122,21 @@ def run_convert_llama(args):
 
 
 def transfer_options(args):
-    """`convert_llama_to_fox`'s attention-transfer arguments: batches of --transfer-data tokenized by the source's
-    tokenizer, in blocks of at most the source's context."""
+    """`convert_llama_to_fox`'s attention-transfer arguments: --transfer-data (default: `foxlm finetune`'s training
+    text) tokenized by the source's tokenizer, cut as `foxlm finetune` cuts it."""
     from transformers import AutoConfig, AutoTokenizer
 
     from foxlm.conversion.llama import resolve_source
-    from foxlm.outputs import check_target
-    from foxlm.conversion.transfer import document_batches
     from foxlm.data import read_texts, text_files, tokenize_documents, training_texts
+    from foxlm.finetune import transfer_options as finetune_transfer_options
+    from foxlm.outputs import check_target
 
     check_target(args.output_dir, force=args.force, sources=[args.source])  # before tokenizing a corpus for nothing
     name_or_path, kwargs = resolve_source(args.source)
     context = getattr(AutoConfig.from_pretrained(name_or_path, **kwargs), "max_position_embeddings", None)
-    length = min(args.transfer_length, context or args.transfer_length)
     texts = read_texts(text_files(args.transfer_data)) if args.transfer_data else training_texts()
     documents = tokenize_documents(AutoTokenizer.from_pretrained(name_or_path, **kwargs), texts, add_bos=False)
-    try:
-        batches = document_batches(documents, block_size=length, batch_size=args.transfer_batch_size,
-                                   max_blocks=args.transfer_steps * args.transfer_batch_size)
-    except ValueError as error:
-        sys.exit(f"error: --transfer-length {length}: {error}; lower it or give more --transfer-data")
-    return dict(transfer_steps=args.transfer_steps, transfer_data=batches, transfer_lr=args.transfer_lr,
-                transfer_qk_rank=args.transfer_qk_rank)
+    return finetune_transfer_options(args, documents, context)
 
 
 def run_convert_official(args):

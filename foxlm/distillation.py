@@ -28,7 +28,8 @@ def chunked_distillation_loss(student_hidden, student_head, labels, *, teacher_h
         teacher_hidden, teacher_head: the teacher's last hidden states and head (no KL term when None).
         kl_mask: (B, T) bool, positions t whose prediction takes the KL term (default: all).
 
-    Returns (ce_sum, kl_sum, tokens, kl_tokens): fp32 scalars with the graph to the student, and the two counts.
+    Returns (ce_sum, kl_sum, tokens, kl_tokens): fp32 scalars with the graph to the student, and the two counts as
+    0-d tensors (read on the device: no host sync in a training step).
     """
     if student_hidden.shape[:2] != labels.shape:
         raise ValueError(f"`labels` must be (batch, seq_len) = {tuple(student_hidden.shape[:2])}, "
@@ -57,15 +58,13 @@ def chunked_distillation_loss(student_hidden, student_head, labels, *, teacher_h
     teacher = flat(teacher_hidden) if with_teacher else None
     for start in range(0, hidden.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
-        if not predicting.reshape(-1)[part].any():
-            continue
         args = (hidden[part], target[part], None if teacher is None else teacher[part], kl_flags[part])
         if torch.is_grad_enabled() and hidden.requires_grad:
             ce, kl = checkpoint(chunk_terms, *args, use_reentrant=False)
         else:
             ce, kl = chunk_terms(*args)
         ce_sum, kl_sum = ce_sum + ce, kl_sum + kl
-    return ce_sum, kl_sum, int(predicting.sum()), int(kl_positions.sum())
+    return ce_sum, kl_sum, predicting.sum(), kl_positions.sum()
 
 
 def language_model_parts(model):
@@ -120,7 +119,7 @@ class DistillationTrainer(Trainer):
             ce, kl, tokens, _ = chunked_distillation_loss(hidden, head, labels, teacher_hidden=teacher_hidden,
                                                           teacher_head=teacher_head, kl_mask=kl_mask,
                                                           chunk_size=self.chunk_size)
-        count = num_items_in_batch if num_items_in_batch is not None else max(tokens, 1)
+        count = num_items_in_batch if num_items_in_batch is not None else tokens.clamp_min(1)
         count = count.to(ce.device) if torch.is_tensor(count) else count
         ce, kl = ce / count, kl / count
         self._terms["ce"].append(ce.detach())

@@ -197,28 +197,29 @@ def source_context(source_config, args):
     return args.teacher_context or getattr(source_config, "max_position_embeddings", None)
 
 
-def transfer_batches(args, train_docs, context):
-    """Input-id batches for the attention transfer: blocks of --transfer-length tokens (at most the original's
-    context), one per sequence of every step, spread over the training documents."""
+def transfer_options(args, documents, context):
+    """`convert_llama_to_fox`'s attention-transfer arguments from the --transfer-* options (also those of `foxlm
+    convert llama`): blocks of --transfer-length tokens, at most the original's `context`, one per sequence of every
+    step, spread over the tokenized `documents`. None when --transfer-steps is 0."""
     from foxlm.conversion.transfer import document_batches
 
+    if not args.transfer_steps:
+        return {}
     length = min(args.transfer_length, context or args.transfer_length)
     try:
-        return document_batches(train_docs, block_size=length, batch_size=args.transfer_batch_size,
-                                max_blocks=args.transfer_steps * args.transfer_batch_size)
+        batches = document_batches(documents, block_size=length, batch_size=args.transfer_batch_size,
+                                   max_blocks=args.transfer_steps * args.transfer_batch_size)
     except ValueError as error:
         sys.exit(f"error: --transfer-length {length}: {error}; lower it or give more data")
+    return dict(transfer_steps=args.transfer_steps, transfer_data=batches, transfer_lr=args.transfer_lr,
+                transfer_qk_rank=args.transfer_qk_rank)
 
 
 def convert(args, source, converted_dir, train_docs, context):
     from foxlm.conversion import ConversionError, convert_llama_to_fox
 
-    transfer = {}
-    if args.transfer_steps:
-        transfer = dict(transfer_steps=args.transfer_steps, transfer_data=transfer_batches(args, train_docs, context),
-                        transfer_lr=args.transfer_lr, transfer_qk_rank=args.transfer_qk_rank)
     try:
-        convert_llama_to_fox(source, converted_dir, force=args.force, **transfer)
+        convert_llama_to_fox(source, converted_dir, force=args.force, **transfer_options(args, train_docs, context))
     except ConversionError as error:
         sys.exit(f"error: {error}")
 
@@ -383,7 +384,6 @@ def main(argv=None, prog=None):
     if not args.eval_only:
         if args.force or not converted_dir.exists():
             convert(args, source, converted_dir, train_docs, context)
-        tokenizer = AutoTokenizer.from_pretrained(converted_dir)
         fine_tune(args, source, converted_dir, tokenizer, blocks_of(train_docs, args.context, "--context"), run_dir,
                   context)
     if not args.skip_eval:

@@ -169,7 +169,8 @@ def forgetting_attention(
         backend: "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
         prune_eps: Adaptive Computation Pruning tolerance in (0, 1) (docs/acp.md): the Triton kernels skip
             tiles whose decay proves their attention weight negligible, so that each query loses at most `prune_eps`
-            of its attention mass (output error <= 2 * prune_eps * max|v|; `foxlm.kernels.acp`). Needs log f <= 0. The
+            of its attention mass (output error <= 2 * prune_eps * max|v|; `foxlm.kernels.acp`). A head whose log f
+            is > 0 somewhere (the bound's premise fails) is computed without pruning. The
             reference backend computes everything (exact). Read what was skipped with
             `foxlm.kernels.acp.acp_statistics()`.
         score_bound: U >= |sm_scale * q_i.k_j| for every pair, a float or a float tensor broadcastable to
