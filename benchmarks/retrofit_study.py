@@ -22,6 +22,7 @@ RECIPES = {
     "no-kl": ["--kl-weight", "0"],
     "kl-3": ["--kl-weight", "3"],
     "no-transfer": ["--transfer-steps", "0"],
+    "no-token-shift": ["--no-token-shift"],
     "gates-only-transfer": ["--transfer-qk-rank", "0"],
     "full": ["--full"],
 }

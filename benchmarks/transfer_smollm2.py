@@ -45,6 +45,7 @@ def main():
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--lr", type=float, default=DEFAULT_LR)
     parser.add_argument("--qk-rank", type=int, default=0)
+    parser.add_argument("--token-shift", action="store_true", help="convert with a key/value token shift, trained too")
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--train-blocks", type=int, default=16)
@@ -59,7 +60,7 @@ def main():
     train_files, held_out_files = stdlib_split()
     train = batches(tokenizer, train_files, args, args.train_blocks)
     held_out = batches(tokenizer, held_out_files, args, args.eval_blocks)
-    fox = fox_from_llama(original)
+    fox = fox_from_llama(original, token_shift=args.token_shift)
     log("loaded and tokenized", start)
 
     loss_original, loss_before = lm_loss(original, held_out), lm_loss(fox, held_out)

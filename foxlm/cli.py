@@ -115,7 +115,7 @@ def run_convert_llama(args):
     output_dir = convert_llama_to_fox(
         args.source, args.output_dir, keep_rope=args.keep_rope, dtype=args.dtype, max_shard_size=args.max_shard_size,
         force=args.force, gate_init=args.gate_init, gate_bias=args.gate_bias, decay_times=tuple(args.decay_times),
-        **transfer,
+        token_shift=args.token_shift, **transfer,
     )
     print(f"saved a FoX model to {output_dir} (see its README.md); next: fine-tune it on long documents "
           f"(`foxlm finetune --model {args.source}` converts and fine-tunes in one go)")
@@ -200,9 +200,14 @@ def add_convert_commands(commands):
                        default=DEFAULT_DECAY_TIMES,
                        help="shortest and longest decay time in tokens for --gate-init decay-spread "
                             "(default: %(default)s)")
+    llama.add_argument("--token-shift", action="store_true",
+                       help="add FoX Pro's key and value token shift (starting near no shift; the attention transfer "
+                            "trains it): it gives back the previous-token information RoPE carried. `foxlm finetune` "
+                            "converts with it")
     transfer = llama.add_argument_group(
         "attention transfer (docs/retrofit.md)",
-        "Train each layer's forget gate, and a low-rank update of q_proj/k_proj with --transfer-qk-rank, to reproduce "
+        "Train each layer's forget gate (and token shift), and a low-rank update of q_proj/k_proj with "
+        "--transfer-qk-rank, to reproduce "
         "the source's attention outputs on the source's hidden states before saving. Minutes on a GPU; recovers much "
         "of what dropping RoPE loses, before any fine-tuning.")
     transfer.add_argument("--transfer-steps", type=at_least(0), default=0,

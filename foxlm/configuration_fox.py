@@ -48,6 +48,9 @@ class FoxConfig(PreTrainedConfig):
         use_k_shift (`bool`, defaults to `False`), use_v_shift (`bool`, defaults to `False`):
             Token shift of keys / values (FoX Pro): `k_t <- a_t k_{t-1} + (1 - a_t) k_t`, `a_t = sigmoid(w . x_t)`
             per head.
+        shift_bias (`bool`, defaults to `False`):
+            Give the shift projections a bias. A retrofit starts them near no shift (`a = sigmoid(bias)` close to 0)
+            so that the converted model computes what the original did.
         acp_eps (`float`, *optional*, defaults to `"auto"`):
             Adaptive Computation Pruning tolerance (pruned attention mass per query <= eps, so each attention output
             moves by at most `2 eps max|v|`). Tiles of the training/prefill kernel (forward and both backward passes)
@@ -125,6 +128,7 @@ class FoxConfig(PreTrainedConfig):
     use_output_norm: bool = False
     use_k_shift: bool = False
     use_v_shift: bool = False
+    shift_bias: bool = False
     acp_eps: int | float | str | None = "auto"
     decode_kv_eviction: bool = False
     attention_backend: str = "auto"

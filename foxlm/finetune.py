@@ -76,8 +76,11 @@ def parse_args(argv=None, prog=None):
                            "of the installed packages (default: $FOXLM_CORPUS_DIR if set)")
     transfer = parser.add_argument_group(
         "attention transfer (stage 1, while converting; docs/retrofit.md)",
-        "Each layer's forget gate and a low-rank update of q_proj/k_proj learn to reproduce the original attention "
-        "outputs, on the original's hidden states; no backward through the model.")
+        "Each layer's forget gate, token shift and a low-rank update of q_proj/k_proj learn to reproduce the original "
+        "attention outputs, on the original's hidden states; no backward through the model.")
+    transfer.add_argument("--token-shift", action=argparse.BooleanOptionalAction, default=True,
+                          help="convert with FoX Pro's key and value token shift, which gives back the previous-token "
+                               "information RoPE carried (default: on)")
     transfer.add_argument("--transfer-steps", type=int, default=None,
                           help=f"optimizer steps, 0 to skip the stage ({machine_default('transfer_steps')})")
     transfer.add_argument("--transfer-qk-rank", type=int, default=8,
@@ -219,7 +222,8 @@ def convert(args, source, converted_dir, train_docs, context):
     from foxlm.conversion import ConversionError, convert_llama_to_fox
 
     try:
-        convert_llama_to_fox(source, converted_dir, force=args.force, **transfer_options(args, train_docs, context))
+        convert_llama_to_fox(source, converted_dir, force=args.force, token_shift=args.token_shift,
+                             **transfer_options(args, train_docs, context))
     except ConversionError as error:
         sys.exit(f"error: {error}")
 

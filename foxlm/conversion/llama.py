@@ -52,8 +52,11 @@ GATE_INITS = ("open", "decay-spread")
 DEFAULT_GATE_INIT = "decay-spread"
 DEFAULT_GATE_BIAS = 5.0
 DEFAULT_DECAY_TIMES = (2.0, 512.0)
+# With `token_shift`, the shift projections start with zero weights and this bias: a = sigmoid(-6) = 0.0025 of the
+# previous token mixed in, close enough to none that the converted model still computes what the source did.
+SHIFT_BIAS_INIT = -6.0
 # The tensors a FoX model has and a LLaMA-family source does not: what the converter sets itself.
-NEW_TENSORS = re.compile(r"\.self_attn\.(fgate_proj\.(weight|bias)|o_proj\.bias)$")
+NEW_TENSORS = re.compile(r"\.self_attn\.((fgate|[kv]_shift)_proj\.(weight|bias)|o_proj\.bias)$")
 # What the Hub accepts as a model id: a name, or a namespace and a name.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -113,8 +116,9 @@ def load_source_config(source):
 
 
 def fox_config_from_llama(config, *, keep_rope=False, gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS,
-                          decay_times=DEFAULT_DECAY_TIMES):
-    """A FoxConfig with the source's sizes, a data-dependent forget gate and, with `keep_rope`, its RoPE."""
+                          decay_times=DEFAULT_DECAY_TIMES, token_shift=False):
+    """A FoxConfig with the source's sizes, a data-dependent forget gate, with `keep_rope` its RoPE and with
+    `token_shift` a key and value token shift (FoX Pro's) that starts near no shift."""
     check_gate_options(gate_init, gate_bias, decay_times)
     fields = {name: getattr(config, name) for name in COPIED_FIELDS if getattr(config, name, None) is not None}
     fields["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -125,6 +129,8 @@ def fox_config_from_llama(config, *, keep_rope=False, gate_init=DEFAULT_GATE_INI
         fields["fgate_bias_init"] = float(gate_bias)
     else:
         fields["decay_time_min"], fields["decay_time_max"] = map(float, decay_times)
+    if token_shift:
+        fields.update(use_k_shift=True, use_v_shift=True, shift_bias=True)
     if keep_rope:
         fields.update(use_rope=True, rope_parameters=dict(config.rope_parameters))
     return FoxConfig(fgate_type="data_dependent", **fields)
@@ -152,7 +158,9 @@ def fox_from_llama(model, **options):
         module = fox.get_submodule(module_name)
         if name.endswith("fgate_proj.bias"):
             value = fgate_bias_init_values(config, module.out_features).to(device, dtype)
-        elif name.endswith(("fgate_proj.weight", "o_proj.bias")):
+        elif name.endswith("shift_proj.bias"):
+            value = torch.full(module.bias.shape, SHIFT_BIAS_INIT, dtype=dtype, device=device)
+        elif name.endswith(("fgate_proj.weight", "o_proj.bias", "shift_proj.weight")):
             value = torch.zeros(getattr(module, param_name).shape, dtype=dtype, device=device)
         else:
             raise ConversionError(f"the source checkpoint has no tensor for {name}")
@@ -171,10 +179,12 @@ def fox_from_llama(model, **options):
 
 def convert_llama_to_fox(source, output_dir, *, keep_rope=False, dtype="auto", max_shard_size="5GB", force=False,
                          gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS, decay_times=DEFAULT_DECAY_TIMES,
-                         transfer_steps=0, transfer_data=None, transfer_lr=DEFAULT_TRANSFER_LR, transfer_qk_rank=0,
-                         transfer_device=None):
+                         token_shift=False, transfer_steps=0, transfer_data=None, transfer_lr=DEFAULT_TRANSFER_LR,
+                         transfer_qk_rank=0, transfer_device=None):
     """Convert a LLaMA-family checkpoint (`source`: folder, Hub id or .gguf file) into a FoX model folder.
 
+    With `token_shift` the FoX model gets FoX Pro's key and value token shift, starting near no shift; it gives back
+    some of the position information RoPE carried (the previous token's key and value), and the transfer trains it.
     With `transfer_steps` > 0 the converted model's attention is first trained to reproduce the source's
     (`transfer_attention`: the forget gates, and rank-`transfer_qk_rank` q/k updates merged into the weights) on
     `transfer_data`, an iterable of (batch, seq_len) input-id tensors (`token_batches` makes them from texts), on
@@ -190,7 +200,8 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, dtype="auto", m
         raise ConversionError("attention transfer needs both transfer_steps > 0 and transfer_data (input-id batches); "
                               f"got transfer_steps={transfer_steps} and transfer_data={type(transfer_data).__name__}.")
     source_config = load_source_config(source)
-    options = dict(keep_rope=keep_rope, gate_init=gate_init, gate_bias=gate_bias, decay_times=decay_times)
+    options = dict(keep_rope=keep_rope, gate_init=gate_init, gate_bias=gate_bias, decay_times=decay_times,
+                   token_shift=token_shift)
     fox_config_from_llama(source_config, **options)  # validate the options before loading any weights
     source_dtype = getattr(source_config, "dtype", None)
     source_dtype = getattr(torch, source_dtype) if isinstance(source_dtype, str) else source_dtype

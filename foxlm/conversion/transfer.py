@@ -166,8 +166,10 @@ def attention_errors(teacher, student, batches):
 
 
 def gate_parameters(attention):
+    """The forget gate's parameters and, where the model has a token shift, the shift projections'."""
     gate = attention.fgate_proj if attention.fgate_proj is not None else attention.fgate_bias
-    return [] if gate is None else [p for p in gate.parameters()]
+    modules = [gate, attention.k_shift_proj, attention.v_shift_proj]
+    return [p for module in modules if module is not None for p in module.parameters()]
 
 
 def transfer_attention(teacher, student, batches, *, steps, lr=DEFAULT_LR, qk_rank=0, eval_batches=None, seed=0,
