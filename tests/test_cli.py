@@ -1,12 +1,16 @@
 import json
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import foxlm
+from foxlm.benchmarks import BENCHMARKS
 from foxlm.cli import main
 
 
@@ -186,6 +190,24 @@ def test_bench_lists_the_benchmarks_and_passes_options_to_their_modules(capfd):
     assert out.startswith("usage: bench_layer_ops.py") and "--tokens" in out
     with pytest.raises(SystemExit):
         main(["bench", "no-such-benchmark"])
+
+
+def test_every_benchmarks_help_lists_its_options_without_importing_torch_transformers_or_triton():
+    """`foxlm bench NAME --help` (and `python benchmarks/<module>.py --help`, the same launch) answers before the
+    benchmark imports its libraries. Python's import-time report, which the benchmark's process inherits through the
+    environment, names every module that either process imported."""
+    for name, (module, _, _) in BENCHMARKS.items():
+        done = subprocess.run([sys.executable, "-m", "foxlm.cli", "bench", name, "--help"], capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}, timeout=60, check=True)
+        imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
+                    if line.startswith("import time:")]
+        assert imported.count("foxlm.benchmarks") == 2, done.stderr  # reported by foxlm's process and the benchmark's
+        heavy = {"torch", "transformers", "triton"} & {package.split(".")[0] for package in imported}
+        assert not heavy, f"`foxlm bench {name} --help` imported {sorted(heavy)}"
+        source = (Path(foxlm.__file__).parent / "benchmarks" / f"{module}.py").read_text()
+        options = re.findall(r'add_argument\("(--[a-z-]+)"', source)
+        assert done.stdout.startswith(f"usage: {module}.py") and options, done.stdout
+        assert all(option in done.stdout for option in options), (name, options)
 
 
 def test_a_benchmark_runs_the_callers_foxlm_not_one_in_the_working_directory(tmp_path, monkeypatch, capfd):

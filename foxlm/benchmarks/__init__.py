@@ -1,6 +1,8 @@
 """foxlm's benchmarks, modules of the package so that an installed foxlm has them: `foxlm bench NAME [options]` runs
 one (in a source checkout `python benchmarks/<module>.py [options]` does the same). Each writes a JSON record to
-`--out`: benchmarks/results where foxlm runs from its source checkout, else the working directory (`run_record`)."""
+`--out`: benchmarks/results where foxlm runs from its source checkout, else the working directory (`run_record`).
+Each parses its options (`parse_args`) before it imports torch, triton or transformers, so that `--help` answers at
+once (tests/test_cli.py checks it)."""
 
 import os
 import subprocess

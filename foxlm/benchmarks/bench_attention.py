@@ -16,15 +16,28 @@ forward's (query, key) pairs sits beside each time.
 
 import argparse
 
-import torch
-import torch.nn.functional as F
-import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
-from foxlm.kernels import forgetting_attention
-from foxlm.kernels.acp import DEFAULT_PRUNE_EPS, acp_statistics, measured_score_bound
-
 from .run_record import RESULTS_DIR, new_record, record_path, write_record
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="only T = 4k and 16k")
+    parser.add_argument("--no-reference", action="store_true", help="skip the reference path and accuracy check")
+    parser.add_argument("--acp-only", action="store_true", help="only the ACP rows (T = 16k, D = 64 and 128)")
+    parser.add_argument("--out", default=RESULTS_DIR)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":  # --help and wrong options answer before torch loads; main() parses the options again
+    parse_args()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from foxlm.kernels import forgetting_attention  # noqa: E402
+from foxlm.kernels.acp import DEFAULT_PRUNE_EPS, acp_statistics, measured_score_bound  # noqa: E402
 
 STAGES = {"_fwd_kernel": "fwd", "_bwd_kv_kernel": "dkdv", "_bwd_q_kernel": "dq", "_bwd_preprocess": "delta"}
 
@@ -172,12 +185,7 @@ def measure(name, fn, inputs, grad_out, flops, kwargs=None):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="only T = 4k and 16k")
-    parser.add_argument("--no-reference", action="store_true", help="skip the reference path and accuracy check")
-    parser.add_argument("--acp-only", action="store_true", help="only the ACP rows (T = 16k, D = 64 and 128)")
-    parser.add_argument("--out", default=RESULTS_DIR)
-    args = parser.parse_args()
+    args = parse_args()
     tokens, hidden = 16384, 2048
     seqlens = [4096, 16384] if args.quick else [2048, 4096, 8192, 16384]
     rows = []

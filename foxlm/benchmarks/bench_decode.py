@@ -19,6 +19,19 @@ import contextlib
 import gc
 import time
 
+from .run_record import RESULTS_DIR, new_record, record_path, write_record
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="attention,generate,eviction")
+    parser.add_argument("--out", default=RESULTS_DIR)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":  # --help and wrong options answer before torch loads; main() parses the options again
+    parse_args()
+
 # Prefill takes the training kernel's first config, no autotuning: `foxlm bench decode` sets FOXLM_AUTOTUNE=0 (unless
 # set) before foxlm imports its kernels (see foxlm.benchmarks.BENCHMARKS).
 
@@ -31,8 +44,6 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from foxlm import FoxConfig, FoxForCausalLM  # noqa: E402
 from foxlm.compat import CACHE_ARG  # noqa: E402
 from foxlm.kernels.decode import forgetting_decode  # noqa: E402
-
-from .run_record import RESULTS_DIR, new_record, record_path, write_record  # noqa: E402
 
 PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s, SXM parts
 
@@ -184,10 +195,7 @@ def bench_eviction(results, prompt=131072, same_tokens_prompt=16384, new_tokens=
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="attention,generate,eviction")
-    parser.add_argument("--out", default=RESULTS_DIR)
-    args = parser.parse_args()
+    args = parse_args()
     results = new_record(peak_bandwidth_bytes_per_s=peak_bandwidth())
     path = record_path(args.out, "decode", results)
     parts = {"attention": bench_attention, "generate": bench_generate, "eviction": bench_eviction}

@@ -17,12 +17,27 @@ import argparse
 import time
 from functools import partial
 
-import torch
-import triton
-
-from foxlm.kernels.layer_ops import head_rms_norm, token_shift
-
 from .run_record import RESULTS_DIR, new_record, record_path, write_record
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=32768, help="B * T")
+    parser.add_argument("--seqlen", type=int, default=16384, help="T")
+    parser.add_argument("--heads", type=int, default=24)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
+    parser.add_argument("--out", default=RESULTS_DIR)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":  # --help and wrong options answer before torch loads; main() parses the options again
+    parse_args()
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from foxlm.kernels.layer_ops import head_rms_norm, token_shift  # noqa: E402
 
 
 def make_ops(tokens, seqlen, heads, head_dim, device="cuda"):
@@ -111,14 +126,7 @@ def print_table(rows):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=32768, help="B * T")
-    parser.add_argument("--seqlen", type=int, default=16384, help="T")
-    parser.add_argument("--heads", type=int, default=24)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
-    parser.add_argument("--out", default=RESULTS_DIR)
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_layer_ops.py times CUDA kernels: run it on a GPU.")
     ops = make_ops(args.tokens, args.seqlen, args.heads, args.head_dim)

@@ -31,13 +31,6 @@ import math
 import time
 import traceback
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from foxlm import FoxConfig, FoxForCausalLM
-from foxlm.compat import enable_activation_checkpointing
-from foxlm.kernels.acp import DEFAULT_PRUNE_EPS, acp_statistics
-
 from .run_record import RESULTS_DIR, new_record, record_path, write_record
 
 MODELS = {"llama-sdpa": "LLaMA (SDPA)", "fox-llama": "FoX (LLaMA)", "fox-pro": "FoX (Pro)"}
@@ -62,6 +55,61 @@ KERNEL_GROUPS = (
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_", "sm80_")),
     ("optimizer", ("adam", "multi_tensor")),
 )
+
+
+def names(text):
+    return [item for item in text.split(",") if item]
+
+
+def integers(text):
+    return [int(item) for item in names(text)]
+
+
+def on_off(text):
+    return [{"off": False, "on": True}[item] for item in names(text)]
+
+
+def size_contexts(text):
+    return [] if text == "none" else [(size, int(context)) for size, context in (i.split(":") for i in names(text))]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", type=names, default=list(MODELS), help="default: all three")
+    parser.add_argument("--sizes", type=names, default=["125m", "760m"], help="125m, 760m (tiny: smoke tests)")
+    parser.add_argument("--contexts", type=integers, default=[4096, 16384])
+    parser.add_argument("--checkpointing", type=on_off, default=[False, True], help="off,on (default: both)")
+    parser.add_argument("--acp", type=on_off, default=[False, True], help="off,on for FoX rows (default: both)")
+    parser.add_argument("--compile", type=size_contexts, default=[("125m", 4096)],
+                        help="SIZE:CONTEXT list of torch.compile rows, or none (default: 125m:4096)")
+    parser.add_argument("--compile-models", type=names, default=["llama-sdpa", "fox-llama"],
+                        help="models of the compile rows (default: llama-sdpa,fox-llama)")
+    parser.add_argument("--tokens-per-step", type=int, default=32768, help="batch = this / context")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row (compile rows: at least 3)")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per row")
+    parser.add_argument("--profile", action="store_true", help="add the profiler breakdown (--profile-config)")
+    parser.add_argument("--profile-config", default="760m:16384:on",
+                        help="SIZE:CONTEXT:CHECKPOINTING profiled for every model, ACP off (default: %(default)s)")
+    parser.add_argument("--out", default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    for model in args.models + args.compile_models:
+        if model not in MODELS:
+            parser.error(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
+    for size in args.sizes + [size for size, _ in args.compile]:
+        if size not in SIZES:
+            parser.error(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
+    return args
+
+
+if __name__ == "__main__":  # --help and wrong options answer before torch loads; main() parses the options again
+    parse_args()
+
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from foxlm import FoxConfig, FoxForCausalLM  # noqa: E402
+from foxlm.compat import enable_activation_checkpointing  # noqa: E402
+from foxlm.kernels.acp import DEFAULT_PRUNE_EPS, acp_statistics  # noqa: E402
 
 
 def build_model(name, size, context, acp=False):
@@ -299,50 +347,6 @@ def grid(args):
     for size, context in args.compile:
         specs += [dict(name=model, size=size, context=context, compiled=True) for model in args.compile_models]
     return specs
-
-
-def names(text):
-    return [item for item in text.split(",") if item]
-
-
-def integers(text):
-    return [int(item) for item in names(text)]
-
-
-def on_off(text):
-    return [{"off": False, "on": True}[item] for item in names(text)]
-
-
-def size_contexts(text):
-    return [] if text == "none" else [(size, int(context)) for size, context in (i.split(":") for i in names(text))]
-
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", type=names, default=list(MODELS), help="default: all three")
-    parser.add_argument("--sizes", type=names, default=["125m", "760m"], help="125m, 760m (tiny: smoke tests)")
-    parser.add_argument("--contexts", type=integers, default=[4096, 16384])
-    parser.add_argument("--checkpointing", type=on_off, default=[False, True], help="off,on (default: both)")
-    parser.add_argument("--acp", type=on_off, default=[False, True], help="off,on for FoX rows (default: both)")
-    parser.add_argument("--compile", type=size_contexts, default=[("125m", 4096)],
-                        help="SIZE:CONTEXT list of torch.compile rows, or none (default: 125m:4096)")
-    parser.add_argument("--compile-models", type=names, default=["llama-sdpa", "fox-llama"],
-                        help="models of the compile rows (default: llama-sdpa,fox-llama)")
-    parser.add_argument("--tokens-per-step", type=int, default=32768, help="batch = this / context")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row (compile rows: at least 3)")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per row")
-    parser.add_argument("--profile", action="store_true", help="add the profiler breakdown (--profile-config)")
-    parser.add_argument("--profile-config", default="760m:16384:on",
-                        help="SIZE:CONTEXT:CHECKPOINTING profiled for every model, ACP off (default: %(default)s)")
-    parser.add_argument("--out", default=RESULTS_DIR)
-    args = parser.parse_args(argv)
-    for model in args.models + args.compile_models:
-        if model not in MODELS:
-            parser.error(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
-    for size in args.sizes + [size for size, _ in args.compile]:
-        if size not in SIZES:
-            parser.error(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
-    return args
 
 
 def main(argv=None):

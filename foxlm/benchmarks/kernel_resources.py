@@ -21,6 +21,29 @@ import re
 import subprocess
 import tempfile
 
+# The choices of --head-dim and --kernels, written here for --help, which answers without importing triton: the head
+# dims of attention_tuning's launch-configuration lists and the keys of KERNELS (both checked below).
+HEAD_DIMS = (64, 128, 256)
+KERNEL_NAMES = ("fwd", "dq", "dkdv")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90: H100/H200)")
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128], choices=HEAD_DIMS)
+    parser.add_argument("--kernels", nargs="+", default=list(KERNEL_NAMES), choices=KERNEL_NAMES)
+    parser.add_argument("--prune", action="store_true", help="also the pruned (ACP) variant of every kernel")
+    parser.add_argument("--first-only", action="store_true", help="only the first (default) configuration per list")
+    parser.add_argument("--layout", choices=["dense", "packed", "padded"], default="dense",
+                        help="the kernel variant: equal-length sequences, packed ones (cu_seqlens) or left-padded ones")
+    parser.add_argument("--loads", choices=["tma", "pointers"], default="tma",
+                        help="how the forward and dQ loops load K/V tiles: TMA descriptors (Hopper and newer) or pointers")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":  # --help and wrong options answer before triton loads; main() parses the options again
+    parse_args()
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     raise SystemExit("kernel_resources.py compiles real kernels: unset TRITON_INTERPRET.")
 
@@ -39,6 +62,7 @@ KERNELS = {  # name: (jit function, autotune table); `.fn` is the kernel inside 
     "dq": (attention_triton.bwd_q.fn, attention_tuning.BWD_Q_CONFIGS),
     "dkdv": (attention_triton.bwd_kv.fn, attention_tuning.BWD_KV_CONFIGS),
 }
+assert tuple(KERNELS) == KERNEL_NAMES and tuple(sorted(attention_tuning.FWD_CONFIGS)) == HEAD_DIMS, "update the choices"
 # Pointer arguments that are not bf16 (q, k, v, o and their gradients are).
 POINTER_DTYPES = {"C": torch.float64, "C_SEG": torch.float32, "LSE": torch.float32, "DELTA": torch.float32,
                   "DELTA_CORRECTED": torch.float32, "DC": torch.float32, "BOUND": torch.float32,
@@ -147,18 +171,7 @@ def main_loop(compiled):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90: H100/H200)")
-    parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128],
-                        choices=sorted(attention_tuning.FWD_CONFIGS))
-    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
-    parser.add_argument("--prune", action="store_true", help="also the pruned (ACP) variant of every kernel")
-    parser.add_argument("--first-only", action="store_true", help="only the first (default) configuration per list")
-    parser.add_argument("--layout", choices=["dense", "packed", "padded"], default="dense",
-                        help="the kernel variant: equal-length sequences, packed ones (cu_seqlens) or left-padded ones")
-    parser.add_argument("--loads", choices=["tma", "pointers"], default="tma",
-                        help="how the forward and dQ loops load K/V tiles: TMA descriptors (Hopper and newer) or pointers")
-    args = parser.parse_args()
+    args = parse_args()
     print("| kernel | head dim | BLOCK_M x BLOCK_N | warps | stages | prune | registers | spill bytes/thread | "
           "shared KB | main loop instructions (local loads+stores) | wgmma serialized |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

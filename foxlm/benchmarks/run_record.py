@@ -13,8 +13,6 @@ import platform
 import subprocess
 from pathlib import Path
 
-import torch
-
 PACKAGE = Path(__file__).resolve().parents[1]  # foxlm/
 _ROOT = PACKAGE.parent
 # The source checkout foxlm runs from (an editable install or PYTHONPATH), or None where it is installed.
@@ -24,6 +22,8 @@ RESULTS_DIR = str(CHECKOUT / "benchmarks" / "results") if CHECKOUT else os.curdi
 
 def new_record(**fields):
     """The run's device and software, then `fields`."""
+    import torch  # here, not at the top: the benchmarks read RESULTS_DIR for their --help, which does not wait for it
+
     record = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

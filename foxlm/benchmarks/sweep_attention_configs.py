@@ -14,6 +14,20 @@ alone).
 import argparse
 import os
 
+from .run_record import RESULTS_DIR, new_record, record_path, write_record
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=RESULTS_DIR, help="folder for the JSON record (default: %(default)s)")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[16384],
+                        help="sequence lengths to sweep at, each timed afresh (default: 16384)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":  # --help and wrong options answer before torch loads; main() parses the options again
+    parse_args()
+
 if os.environ.get("FOXLM_AUTOTUNE") == "0":
     raise SystemExit("sweep_attention_configs.py times every configuration of the autotune lists: unset "
                      "FOXLM_AUTOTUNE (0 takes the first configuration of each list alone).")
@@ -26,7 +40,6 @@ from foxlm.kernels import forgetting_attention  # noqa: E402
 from foxlm.kernels.attention import attention_triton, attention_tuning  # noqa: E402
 
 from .bench_attention import accuracy, bench, causal_flops, make, sdpa  # noqa: E402
-from .run_record import RESULTS_DIR, new_record, record_path, write_record  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) beyond the autotune lists (those already listed are skipped).
 CANDIDATES = {
@@ -50,11 +63,7 @@ def config_times(tuner):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=RESULTS_DIR, help="folder for the JSON record (default: %(default)s)")
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[16384],
-                        help="sequence lengths to sweep at, each timed afresh (default: 16384)")
-    args = parser.parse_args()
+    args = parse_args()
     for _, table, extra in CANDIDATES.values():
         for head_dim, entries in extra.items():
             listed = {str(c) for c in table[head_dim]}

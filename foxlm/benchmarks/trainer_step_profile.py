@@ -16,12 +16,31 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from transformers import Trainer, TrainerCallback
-
-from foxlm import pretrain  # the model, data and training arguments of examples/train_accelerate.py
-
 from .run_record import RESULTS_DIR
+
+# foxlm.pretrain's sizes (checked below), written here for --help, which answers without importing torch.
+SIZES = ("tiny", "125m", "760m")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=SIZES, default="760m")
+    parser.add_argument("--variant", choices=("pro", "llama"), default="pro")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--out", default=RESULTS_DIR, help="folder of the result (default: %(default)s)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":  # --help and wrong options answer before torch loads; main() parses the options again
+    parse_args()
+
+import torch  # noqa: E402
+from transformers import Trainer, TrainerCallback  # noqa: E402
+
+from foxlm import pretrain  # noqa: E402  (the model, data and training arguments of examples/train_accelerate.py)
+
+assert SIZES == tuple(pretrain.SIZES), "SIZES must name foxlm.pretrain's sizes"
 
 UNPROFILED = (2, 5)  # steps timed without the profiler: 3, 4 and 5
 PROFILED = (5, 9)  # steps recorded: 6 to 9
@@ -58,13 +77,7 @@ def busy_seconds(trace_events):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=pretrain.SIZES, default="760m")
-    parser.add_argument("--variant", choices=("pro", "llama"), default="pro")
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--out", default=RESULTS_DIR, help="folder of the result (default: %(default)s)")
-    args = parser.parse_args()
+    args = parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("error: this profile needs a CUDA GPU")
     steps = PROFILED[1] + 1
