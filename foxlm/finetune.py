@@ -28,7 +28,7 @@ LORA_LR, FULL_LR = 3e-3, 3e-4  # benchmarks/NOTES_finetune.md: how they were cho
 # Defaults that depend on the machine: (on a GPU, on a CPU). The CPU ones make a run of a few minutes on two cores.
 MACHINE_DEFAULTS = {
     "context": (16384, 512), "steps": (300, 12), "tokens_per_step": (65536, 1024), "eval_length": (32768, 1024),
-    "eval_docs": (16, 6), "transfer_steps": (200, 4), "transfer_batch_size": (8, 2), "transfer_length": (2048, 256),
+    "eval_docs": (16, 6), "transfer_steps": (400, 4), "transfer_batch_size": (8, 2), "transfer_length": (2048, 256),
 }
 
 

@@ -104,6 +104,21 @@ def test_default_conversion_drops_rope_and_adds_zero_weight_gates(tmp_path):
     assert "RoPE dropped" in card and "Fine-tuning on long documents" in card and "`llama`" in card
 
 
+def test_token_shift_starts_near_no_shift_and_keeps_the_llamas_logits(tmp_path):
+    llama = save_tiny(tmp_path / "llama")
+    out = convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", dtype="fp32", token_shift=True, **OPEN_GATES)
+    fox = FoxForCausalLM.from_pretrained(out).eval()
+    assert fox.config.use_k_shift and fox.config.use_v_shift and fox.config.shift_bias
+    for layer in fox.model.layers:
+        for shift in (layer.self_attn.k_shift_proj, layer.self_attn.v_shift_proj):
+            assert torch.all(shift.weight == 0)
+            assert torch.all(shift.bias == llama_conversion.SHIFT_BIAS_INIT)
+    # sigmoid(-6) = 0.25% of the previous token's key and value: close to, not exactly, the original
+    difference = max_logit_difference(fox, llama, torch.randint(0, 97, (2, 24)))
+    assert 0 < difference <= 0.05
+    assert "shift_proj" in (tmp_path / "fox" / "README.md").read_text()
+
+
 def test_converted_folder_tokenizer_loads_without_foxlm_or_trust_remote_code(tmp_path):
     from conftest import byte_tokenizer
 

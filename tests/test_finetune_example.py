@@ -56,8 +56,10 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
     assert out[-1] == f"plot: {run / 'evaluation.png'}"
     assert any(line.startswith("prose: fine-tuned vs original at positions < 128: loss ") for line in out)
     assert any(line.startswith("needle in a haystack (prose), converted, fine-tuned: 512") for line in out)
-    # The recipe's stages: attention transfer while converting, distillation from the original while fine-tuning.
+    # The recipe's stages: token shift and attention transfer while converting, distillation while fine-tuning.
     assert "Attention transfer: 4 steps" in (run / "converted" / "README.md").read_text()
+    converted = json.loads((run / "converted" / "config.json").read_text())
+    assert converted["use_k_shift"] and converted["use_v_shift"] and converted["shift_bias"]
     logged = [entry for entry in json.loads((run / "train_log.json").read_text()) if "loss" in entry]
     assert logged and all(entry["kl"] > 0 and abs(entry["loss"] - entry["ce"] - entry["kl"]) < 1e-3
                           for entry in logged), logged
@@ -67,8 +69,9 @@ def test_full_finetuning_and_evaluation_run_as_two_invocations_within_a_time_bud
     root = llama_and_corpus
     run = root / "full"
     foxlm(["finetune", *finetune_args(root, "full", "--full", "--steps", "50", "--max-minutes", "1e-6",
-                                      "--skip-eval")])
+                                      "--skip-eval", "--no-token-shift")])
     assert "budget ended training after 1 steps" in capsys.readouterr().out
+    assert not json.loads((run / "fine-tuned" / "config.json").read_text())["use_k_shift"]
     assert not (run / "evaluation.json").exists() and not (run / "adapter").exists()
     # The fine-tuned folder is a complete model: it loads with the Auto classes and generates.
     model = AutoModelForCausalLM.from_pretrained(run / "fine-tuned")

@@ -90,6 +90,18 @@ def test_only_the_forget_gates_change_and_the_student_gets_its_flags_and_mode_ba
     assert all(p.grad is None for p in fox.parameters())
 
 
+def test_a_token_shift_is_trained_with_the_gates():
+    llama = tiny_llama()
+    fox = fox_from_llama(llama, token_shift=True)
+    held_out = token_batches(2, seed=2)
+    before = snapshot(fox)
+    record = transfer_attention(llama, fox, token_batches(4, seed=1), eval_batches=held_out, **FAST)
+    assert changed(before, fox) == {f"model.layers.{i}.self_attn.{m}.{p}" for i in (0, 1)
+                                    for m in ("fgate_proj", "k_shift_proj", "v_shift_proj") for p in ("weight", "bias")}
+    assert record.trained_parameters == 2 * (4 * 32 + 4) + 2 * 2 * (2 * 32 + 2)
+    assert all(a < 0.5 * b for a, b in zip(record.error_after, record.error_before)), record
+
+
 def test_the_teacher_gets_no_gradient_and_stays_bit_identical():
     llama = tiny_llama()
     before = snapshot(llama)
