@@ -6,7 +6,11 @@ script takes the same options (`--help`).
     python examples/finetune_long_context.py --full --max-minutes 30
 """
 
+import sys
+
+from foxlm.cli import failures_reported
 from foxlm.finetune import main
 
 if __name__ == "__main__":
-    main()
+    with failures_reported(debug="--debug" in sys.argv):  # one `error:` line, as `foxlm finetune` ends a failure
+        main([arg for arg in sys.argv[1:] if arg != "--debug"])

@@ -5,6 +5,7 @@ torch, transformers and the model load only inside the commands: building the pa
 """
 
 import argparse
+import contextlib
 import errno
 import math
 import random
@@ -573,6 +574,24 @@ def failure_message(error):
     return text
 
 
+@contextlib.contextmanager
+def failures_reported(debug=False):
+    """Turn what is not a bug in foxlm into one line on stderr and a non-zero exit; `debug` keeps the traceback."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        # Ctrl-C is the user's choice, not a failure: no traceback. Saves are staged, so nothing half-written stays.
+        if debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as error:
+        # Bad input, or the disk: one line and a non-zero exit. Anything else is a bug and shows its traceback.
+        if debug or not is_user_failure(error):
+            raise
+        sys.exit(f"error: {failure_message(error)}")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     # --debug belongs to the command wherever it stands: finetune and bench parse the rest of their options themselves.
@@ -581,7 +600,7 @@ def main(argv=None):
     parser = build_parser()
     # finetune's and bench's options belong to the job and the benchmarks they run, which parse them themselves.
     args, extra = parser.parse_known_args(argv)
-    try:
+    with failures_reported(debug):
         if args.command == "finetune":
             run_finetune(extra)
         elif args.command == "bench":
@@ -590,11 +609,6 @@ def main(argv=None):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         else:
             args.func(args)
-    except Exception as error:
-        # Bad input, or the disk: one line and a non-zero exit. Anything else is a bug and shows its traceback.
-        if debug or not is_user_failure(error):
-            raise
-        sys.exit(f"error: {failure_message(error)}")
 
 
 if __name__ == "__main__":

@@ -119,3 +119,17 @@ def test_no_traceback_without_debug_and_one_with_it(sources, tmp_path):
     assert last.startswith("error: could not read a model config from no-such-org/no-such-model (no local folder")
     done = run_foxlm("convert", "llama", sources / "truncated", tmp_path / "out", "--debug")
     assert done.returncode == 1 and "Traceback" in done.stderr and "SafetensorError" in done.stderr
+
+
+def test_ctrl_c_ends_with_one_line_and_exit_130_and_a_traceback_only_with_debug(monkeypatch, capsys):
+    import foxlm.cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(foxlm.cli, "run_finetune", interrupted)
+    with pytest.raises(SystemExit) as stop:
+        main(["finetune"])
+    assert stop.value.code == 130 and capsys.readouterr().err == "interrupted\n"
+    with pytest.raises(KeyboardInterrupt):
+        main(["finetune", "--debug"])

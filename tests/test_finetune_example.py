@@ -154,3 +154,14 @@ def test_the_example_script_takes_the_same_options():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: finetune_long_context.py") and "--max-minutes" in done.stdout
+
+
+def test_the_example_script_ends_a_failure_with_one_error_line(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(root / "examples" / "finetune_long_context.py"), "--model",
+                           str(tmp_path / "missing"), "--output-dir", str(tmp_path / "run")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'missing'} does not exist (and is not a Hub " \
+                                                   "model id); check the path."

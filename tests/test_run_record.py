@@ -3,6 +3,7 @@
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,12 @@ import foxlm
 from foxlm.benchmarks import run_record
 
 
-def test_a_record_names_its_device_software_and_commit_and_is_written_whole(tmp_path):
+def test_a_record_names_its_device_software_and_commit_and_is_written_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/somewhere/bench_attention.py", "--quick"])
+    monkeypatch.setenv("FOXLM_AUTOTUNE", "0")
     record = run_record.new_record(rows=[1, 2])
     assert record["device"] == "cpu" and record["rows"] == [1, 2]
+    assert record["command"] == "bench_attention.py --quick" and record["environment"]["FOXLM_AUTOTUNE"] == "0"
     assert {"date", "python", "torch", "transformers"} <= set(record)
     assert len(record["foxlm_source_sha256"]) == 16 and int(record["foxlm_source_sha256"], 16) >= 0
     checkout = Path(foxlm.__file__).resolve().parents[1]

@@ -1,8 +1,9 @@
 """The record every benchmark writes: one JSON file per run, `<kind>_<device>_<UTC date-time>.json` in `--out`
 (`RESULTS_DIR` by default: benchmarks/results where foxlm runs from its source checkout, else the working directory),
-that starts with what the run measured on: the device, the software versions, a digest of the foxlm sources that ran
-and, from a git checkout, the foxlm commit (marked `-dirty` with uncommitted changes). The digest identifies the code
-even where the commit cannot: a copied tree may carry a stale `.git`."""
+that starts with what the run measured on: the device, the software versions, the command line and the FOXLM_*
+environment, a digest of the foxlm sources that ran and, from a git checkout, the foxlm commit (marked `-dirty` with
+uncommitted changes). The digest identifies the code even where the commit cannot: a copied tree may carry a stale
+`.git`."""
 
 import datetime
 import hashlib
@@ -11,6 +12,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]  # foxlm/
@@ -30,6 +32,9 @@ def new_record(**fields):
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        # What ran, with its options and the environment switches that change the kernels.
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "environment": {name: value for name, value in os.environ.items() if name.startswith("FOXLM_")},
     }
     for package in ("triton", "transformers"):
         try:
