@@ -16,7 +16,8 @@ policy of the accelerate config), fp32 on a CPU. FSDP wraps every `FoxDecoderLay
 `_no_split_modules`, which accelerate's transformer-based auto-wrap reads). On a CPU, `accelerate launch` runs the
 processes over gloo as plain data parallelism: accelerate turns FSDP on only for accelerator process groups.
 
-Written to `--output-dir`: `model/` (safetensors shards of at most `--max-shard-size`, config, model code) and
+Written to `--output-dir`, which must be absent or empty (`--force` replaces a run foxlm wrote there): `model/`
+(safetensors shards of at most `--max-shard-size`, config, model code; staged and renamed into place) and
 `train_metrics.json` (losses, steady-state tokens/s, the reload check). The process exits with an error if the
 reloaded model's logits differ from the trained model's.
 """
@@ -32,6 +33,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, Trainin
 
 from foxlm import FoxConfig, FoxForCausalLM
 from foxlm.data import pack_into_blocks, stdlib_source_files
+from foxlm.outputs import check_target, make_output_folder, staged_folder, write_file_atomic
 from foxlm.training import CHECKPOINTING_ARGUMENT
 
 OFFSET = 3  # byte b is token b + 3
@@ -58,6 +60,8 @@ def parse_args(argv=None):
     parser.add_argument("--max-shard-size", default="500MB",
                         help="largest safetensors file of the saved model (default: %(default)s)")
     parser.add_argument("--output-dir", default="foxlm-train-accelerate", help="default: %(default)s")
+    parser.add_argument("--force", action="store_true",
+                        help="replace what an earlier run wrote in --output-dir (only a folder foxlm wrote)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -145,9 +149,13 @@ def check_reload(trainer, model_dir, batch):
 
 def main(argv=None):
     args = parse_args(argv)
-    output_dir = Path(args.output_dir)
+    # Every process checks (all see the same folder, so all go on or all stop) before any of them writes.
+    output_dir = check_target(args.output_dir, force=args.force)
     on_gpu = torch.cuda.is_available()
     training_args = training_arguments(args, on_gpu)
+    with training_args.main_process_first(desc="creating the output folder"):
+        if training_args.process_index == 0:
+            make_output_folder(output_dir, holds="foxlm pretraining run")
     world_size = training_args.world_size
     tokens_per_step = args.batch_size * args.context * world_size
     blocks = stdlib_blocks(args.context, (args.steps + 1) * tokens_per_step)
@@ -163,8 +171,9 @@ def main(argv=None):
     state_dict = accelerator.get_state_dict(trainer.model_wrapped)
     parameters = sum(tensor.numel() for tensor in state_dict.values())  # before save_pretrained consumes it
     if accelerator.is_main_process:
-        accelerator.unwrap_model(trainer.model_wrapped).save_pretrained(
-            model_dir, state_dict=state_dict, max_shard_size=args.max_shard_size)
+        with staged_folder(model_dir, force=True, holds="model") as staging:  # this run's folder, checked above
+            accelerator.unwrap_model(trainer.model_wrapped).save_pretrained(
+                staging, state_dict=state_dict, max_shard_size=args.max_shard_size)
     accelerator.wait_for_everyone()
     reload = check_reload(trainer, model_dir, blocks[:2, : min(args.context, 256)])
 
@@ -187,7 +196,7 @@ def main(argv=None):
         peak_memory_gb=torch.cuda.max_memory_allocated() / 1e9 if on_gpu else None,
         saved_files=sorted(os.listdir(model_dir)), reload=reload,
     )
-    (output_dir / "train_metrics.json").write_text(json.dumps(metrics, indent=1))
+    write_file_atomic(output_dir / "train_metrics.json", json.dumps(metrics, indent=1))
     print(json.dumps({key: value for key, value in metrics.items() if key not in ("losses", "saved_files")}))
     # Relative to the largest logit: the kernels' rounding in bf16 compute, float error in fp32.
     tolerance = 1e-4 if accelerator.mixed_precision == "no" else 2e-2

@@ -52,6 +52,27 @@ def test_ddp_training_with_accelerate_launch_saves_sharded_and_reloads_equal_log
     check_trained_and_reloaded(output_dir, metrics, tolerance=1e-5)
 
 
+def test_pretraining_keeps_an_earlier_run_unless_forced_and_never_replaces_a_folder_it_did_not_write(tmp_path):
+    from foxlm.outputs import OutputError
+    from foxlm.pretrain import main
+
+    options = ["--size", "tiny", "--context", "64", "--batch-size", "1", "--steps", "2", "--output-dir",
+               str(tmp_path / "run")]
+    main(options)
+    first = (tmp_path / "run" / "train_metrics.json").read_text()
+    with pytest.raises(OutputError, match="pass --force"):
+        main(options)
+    assert (tmp_path / "run" / "train_metrics.json").read_text() == first
+    main([*options, "--force"])
+    assert (tmp_path / "run" / "model" / "config.json").exists()
+    assert not [p.name for p in tmp_path.iterdir() if ".foxlm-" in p.name]  # no staging left beside it
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(OutputError, match="not written by foxlm"):
+        main([*options[:-1], str(tmp_path / "mine"), "--force"])
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason=(
     "needs 2 GPUs: accelerate turns FSDP on only for accelerator process groups (AcceleratorState switches to "
