@@ -7,6 +7,7 @@ publish them (a Hub id, or a file or folder by its name, never a local path) and
 of foxlm has.
 """
 
+import math
 from pathlib import Path
 
 
@@ -42,6 +43,7 @@ model = PeftModel.from_pretrained(base, "adapter")
 DEMO_USE = """## Use it
 
 ```python
+import math
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -96,7 +98,10 @@ def conversion_changes(kind, config, options=None):
         f"{describe_gate(options)}.",
         "RoPE kept (`use_rope=True`, the source's rope parameters)." if config.use_rope else
         "RoPE dropped: FoX needs no position embedding, the forget gate gives the recency bias.",
-    ]
+    ] + ([f"Added: a key and value token shift per key-value head and layer (`self_attn.k_shift_proj`, "
+          f"`v_shift_proj`, FoX Pro's), initialised with zero weights and bias {options['shift_bias']:g}, mixing "
+          f"{100 / (1 + math.exp(-options['shift_bias'])):.2g}% of the previous token's key and value into each "
+          "token's."] if config.use_k_shift else [])
 
 
 def conversion_card(*, name, kind, source, config, dtype, tokenizer_saved, verified, source_config=None,
@@ -108,7 +113,8 @@ def conversion_card(*, name, kind, source, config, dtype, tokenizer_saved, verif
         architecture = (source_config.architectures or [source_config.model_type])[0]
         gate = (f"--gate-init open --gate-bias {options['gate_bias']:g}" if options["gate_init"] == "open" else
                 "--gate-init decay-spread --decay-times {:g} {:g}".format(*options["decay_times"]))
-        command = f"foxlm convert llama {source} {name} {gate}" + (" --keep-rope" if config.use_rope else "")
+        command = (f"foxlm convert llama {source} {name} {gate}" + (" --keep-rope" if config.use_rope else "")
+                   + (" --token-shift" if config.use_k_shift else ""))
         next_step = ("Not yet a good language model: without RoPE (and with the new gates) the pretrained attention no "
                      "longer sees positions as it was trained to, so its loss starts well above the source's. "
                      "Fine-tuning on long documents teaches the attention to work without RoPE and the gates to "

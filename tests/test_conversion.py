@@ -116,7 +116,8 @@ def test_token_shift_starts_near_no_shift_and_keeps_the_llamas_logits(tmp_path):
     # sigmoid(-6) = 0.25% of the previous token's key and value: close to, not exactly, the original
     difference = max_logit_difference(fox, llama, torch.randint(0, 97, (2, 24)))
     assert 0 < difference <= 0.05
-    assert "shift_proj" in (tmp_path / "fox" / "README.md").read_text()
+    card = (tmp_path / "fox" / "README.md").read_text()
+    assert "--token-shift" in card and "bias -6, mixing 0.25% of the previous token's key and value" in card
 
 
 def test_converted_folder_tokenizer_loads_without_foxlm_or_trust_remote_code(tmp_path):

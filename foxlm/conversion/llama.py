@@ -237,7 +237,8 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, dtype="auto", m
         if not (staging / "generation_config.json").exists():
             GenerationConfig.from_model_config(fox.config).save_pretrained(staging)
         card = conversion_card(name=Path(output_dir).name, kind="llama", source=source, source_config=source_config,
-                               config=fox.config, options=options, dtype=target_dtype, verified=verified,
+                               config=fox.config, options={**options, "shift_bias": SHIFT_BIAS_INIT},
+                               dtype=target_dtype, verified=verified,
                                tokenizer_saved=tokenizer_saved, notes=notes)
         (staging / "README.md").write_text(card)
         steps.update()
