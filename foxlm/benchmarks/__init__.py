@@ -12,7 +12,7 @@ from pathlib import Path
 BENCHMARKS = {  # `foxlm bench NAME`: module of this package, what it measures, environment defaults it runs with
     "attention": ("bench_attention", "attention kernel vs SDPA cuDNN/flash, ACP rows (GPU)", {}),
     # Prefill takes the training kernel's first config, no autotuning.
-    "decode": ("bench_decode", "decode attention bandwidth and generate() tokens/s vs LLaMA (GPU)",
+    "decode": ("bench_decode", "decode attention bandwidth, generate() and batch-serving tokens/s vs LLaMA (GPU)",
                {"FOXLM_AUTOTUNE": "0"}),
     "training": ("bench_training", "training tokens/s and memory vs LlamaForCausalLM (GPU)", {}),
     "layer-ops": ("bench_layer_ops", "fused QK-norm, output norm+gate and token shift vs PyTorch (GPU)", {}),

@@ -1,17 +1,26 @@
-"""FoX decoding speed and memory: the split-K decode kernel, generate() against LLaMA, and KV eviction.
+"""FoX decoding speed and memory: the split-K decode kernel, generate() against LLaMA, KV eviction, batch serving.
 
-One run on one GPU, bf16, three parts (each can be skipped):
+One run on one GPU, bf16, four parts (each can be skipped):
 - attention: one new token against a cache of L keys, batch B, 32 query / 8 KV heads, D = 64 and 128. Achieved HBM
   bandwidth = bytes of K and V read (2 * B * L * Hkv * D * 2) / time, for our kernel and for PyTorch SDPA
   (`enable_gqa`) on the same (B, Hkv, L, D) cache (SDPA without the forget bias: what plain decoding costs).
-- generate: tokens/s of `generate()` (greedy, batch 1, 256 new tokens after an 8k or 32k prompt, prefill included
-  and reported apart) for a FoxForCausalLM and a LlamaForCausalLM (SDPA, default backend and flash forced) of the
-  same size.
+- generate: tokens/s of `generate()` (greedy, batch 1, `--new-tokens` (256) new tokens after an 8k or 32k prompt,
+  prefill included and reported apart) for a FoxForCausalLM and a LlamaForCausalLM (SDPA, default backend and flash
+  forced) of the same size.
 - eviction: cache memory after a 128k-token prompt and 64 new tokens (bf16), on a FoX model whose KV heads are 70%
   fast forgetting, with and without `decode_kv_eviction`; and whether greedy tokens stay the same (fp32, 16k prompt).
-Results go to benchmarks/results/decode_<device>_<date-time>.json (written after every part) and are printed.
+- serving: batch-serving throughput of greedy `generate()`: decode tokens/s ((new tokens - 1) x batch / decode time,
+  the prefill and its first token timed apart) at every batch of `--serving-batches` (1,8,32,64) and prompt of
+  `--serving-prompts` (4096,32768 tokens), `--new-tokens` new tokens, for the generate part's FoX and LLaMA (SDPA,
+  default backend) and for the eviction part's model with and without `decode_kv_eviction` (the same weights), all
+  with the same (dynamic) cache; peak GPU memory of each row and the bytes its cache holds after generation. A row
+  that does not fit in GPU memory is recorded as skipped, with the reason, and the run goes on; the rows run from the
+  fewest prompt tokens (batch x prompt) to the most. A table at the end gives FoX / LLaMA and eviction / no eviction.
+Results go to benchmarks/results/decode_<device>_<date-time>.json (written after every part, and after every row of
+the serving part) and are printed.
 
-    python benchmarks/bench_decode.py [--parts attention,generate,eviction] [--out DIR]
+    python benchmarks/bench_decode.py [--parts attention,generate,eviction,serving] [--new-tokens 256]
+        [--serving-batches 1,8,32,64] [--serving-prompts 4096,32768] [--out DIR]
 """
 
 import argparse
@@ -22,9 +31,18 @@ import time
 from .run_record import RESULTS_DIR, new_record, record_path, write_record
 
 
+def _ints(text):
+    return [int(item) for item in text.split(",")]
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="attention,generate,eviction")
+    parser.add_argument("--parts", default="attention,generate,eviction,serving")
+    parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per generate() (generate, serving)")
+    parser.add_argument("--serving-batches", type=_ints, default=[1, 8, 32, 64],
+                        help="comma-separated batch sizes (1,8,32,64)")
+    parser.add_argument("--serving-prompts", type=_ints, default=[4096, 32768],
+                        help="comma-separated prompt lengths in tokens (4096,32768)")
     parser.add_argument("--out", default=RESULTS_DIR)
     return parser.parse_args(argv)
 
@@ -194,11 +212,131 @@ def bench_eviction(results, prompt=131072, same_tokens_prompt=16384, new_tokens=
     print("eviction:", {key: results[key] for key in results if key.startswith("eviction_")}, flush=True)
 
 
+# The serving part's models (labels of its rows) and the ratios its table gives: (numerator, denominator).
+SERVING_RATIOS = {"fox_over_llama": ("fox", "llama"),
+                  "eviction_over_no_eviction": ("fox-fast-heads+eviction", "fox-fast-heads")}
+
+
+def cache_bytes(cache):
+    """Bytes of the keys and values (and FoX's gate sums) that a generate() cache holds."""
+    total = 0
+    for layer in cache.layers:
+        tensors = ([t for group in layer.kv_groups() for t in group[:3]] if hasattr(layer, "kv_groups")
+                   else [layer.keys, layer.values])
+        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return total
+
+
+def timed_generate(model, ids, **kwargs):
+    """(generate()'s output, seconds), the GPU synchronised around it."""
+    cuda = ids.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None, pad_token_id=0,
+                         **kwargs)
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def measure_serving(models, batches, prompts, new_tokens, device, cache_implementation="dynamic", warmup_tokens=17):
+    """Yield one row per (batch, prompt, model) of greedy generate(): decode tokens/s, prefill time, peak memory (CUDA:
+    of everything allocated, the weights of all models held included; `allocated_before_bytes` is what was allocated
+    when the timed run started) and the cache's bytes after generation. `models` maps labels to models, already on
+    `device` in their dtype. The rows run from the fewest prompt tokens (batch x prompt) to the most, every model at
+    one shape before the next; a row that runs out of memory comes back with `skipped` (the reason) and no timings."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    # "dynamic" is generate()'s default; a static cache, once FoX has one, is measured with "static".
+    cache_kwargs = {} if cache_implementation == "dynamic" else dict(cache_implementation=cache_implementation)
+    for batch, prompt in sorted(((b, p) for b in batches for p in prompts), key=lambda bp: (bp[0] * bp[1], bp[0])):
+        for label, model in models.items():
+            row = dict(model=label, decode_kv_eviction=getattr(model.config, "decode_kv_eviction", False), batch=batch,
+                       prompt=prompt, new_tokens=new_tokens, cache_implementation=cache_implementation,
+                       dtype=str(model.dtype).removeprefix("torch."))
+            try:
+                ids = torch.randint(3, model.config.vocab_size, (batch, prompt), device=device,
+                                    generator=torch.Generator(device).manual_seed(0))
+                with torch.no_grad():
+                    # Warm-up at this shape: cache lengths with and without a factor of 16 run differently specialised
+                    # decode kernels, so 17 steps compile both before the timed runs.
+                    timed_generate(model, ids, max_new_tokens=warmup_tokens, **cache_kwargs)
+                    _, prefill_s = timed_generate(model, ids, max_new_tokens=1, **cache_kwargs)
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats(device)
+                        row["allocated_before_bytes"] = torch.cuda.memory_allocated(device)
+                    out, total_s = timed_generate(model, ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                  return_dict_in_generate=True, **cache_kwargs)
+                decode_s = max(total_s - prefill_s, 1e-9)
+                row.update(prefill_s=prefill_s, decode_s=decode_s,
+                           decode_tokens_per_s=(new_tokens - 1) * batch / decode_s,
+                           peak_memory_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
+                           cache_bytes=cache_bytes(getattr(out, CACHE_ARG)))
+                del out
+            except torch.OutOfMemoryError as error:
+                row["skipped"] = f"out of memory: {str(error).splitlines()[0]}"
+            ids = None
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            yield row
+
+
+def serving_summary(rows):
+    """Per (batch, prompt): every model's decode tokens/s (None where skipped) and the `SERVING_RATIOS`."""
+    summary = []
+    for batch, prompt in dict.fromkeys((r["batch"], r["prompt"]) for r in rows):
+        speed = {r["model"]: r.get("decode_tokens_per_s") for r in rows if (r["batch"], r["prompt"]) == (batch, prompt)}
+        ratios = {name: speed[a] / speed[b] if speed.get(a) and speed.get(b) else None
+                  for name, (a, b) in SERVING_RATIOS.items()}
+        summary.append(dict(batch=batch, prompt=prompt, decode_tokens_per_s=speed, **ratios))
+    return summary
+
+
+def print_serving_table(summary):
+    def cell(value, digits=1):
+        return "skipped" if value is None else f"{value:.{digits}f}"
+
+    (fox, llama), (evicting, keeping) = SERVING_RATIOS.values()
+    print("| batch | prompt | FoX tokens/s | LLaMA tokens/s | FoX / LLaMA | FoX 70% fast heads | with eviction "
+          "| eviction / no eviction |")
+    print("|---|---|---|---|---|---|---|---|")
+    for entry in summary:
+        speed = entry["decode_tokens_per_s"]
+        print(f"| {entry['batch']} | {entry['prompt']} | {cell(speed.get(fox))} | {cell(speed.get(llama))} "
+              f"| {cell(entry['fox_over_llama'], 2)} | {cell(speed.get(keeping))} | {cell(speed.get(evicting))} "
+              f"| {cell(entry['eviction_over_no_eviction'], 2)} |")
+
+
+def bench_serving(results, batches=(1, 8, 32, 64), prompts=(4096, 32768), new_tokens=256,
+                  cache_implementation="dynamic", save=None):
+    """Batch-serving decode throughput and memory (`measure_serving`) of the generate part's FoX and LLaMA and of the
+    eviction part's model with and without eviction, bf16; `save()` after every row."""
+    models = {label: model.to(torch.bfloat16).eval() for label, model in same_size_models().items()}
+    for evict in (False, True):  # the same seed: the same weights
+        model, _ = eviction_model(evict, max(prompts) + new_tokens, torch.bfloat16)
+        models["fox-fast-heads+eviction" if evict else "fox-fast-heads"] = model
+    gc.collect()
+    torch.cuda.empty_cache()
+    rows = results.setdefault("serving", [])
+    for row in measure_serving(models, batches, prompts, new_tokens, "cuda", cache_implementation):
+        rows.append(row)
+        print(row, flush=True)
+        results["serving_summary"] = serving_summary(rows)
+        if save:
+            save()
+    print_serving_table(results["serving_summary"])
+
+
 def main():
     args = parse_args()
     results = new_record(peak_bandwidth_bytes_per_s=peak_bandwidth())
     path = record_path(args.out, "decode", results)
-    parts = {"attention": bench_attention, "generate": bench_generate, "eviction": bench_eviction}
+    parts = {"attention": bench_attention, "generate": lambda results: bench_generate(results, args.new_tokens),
+             "eviction": bench_eviction,
+             "serving": lambda results: bench_serving(results, args.serving_batches, args.serving_prompts,
+                                                      args.new_tokens, save=lambda: write_record(path, results))}
     for part in args.parts.split(","):
         parts[part](results)
         write_record(path, results)
