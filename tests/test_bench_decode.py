@@ -99,4 +99,4 @@ def test_serving_options(bench):
     assert (args.serving_batches, args.serving_prompts, args.new_tokens) == ([1, 2], [64], 4)
     defaults = bench.parse_args([])
     assert defaults.serving_batches == [1, 8, 32, 64] and defaults.serving_prompts == [4096, 32768]
-    assert "serving" in defaults.parts.split(",") and defaults.new_tokens == 256
+    assert defaults.parts.split(",") == ["attention", "generate", "eviction"] and defaults.new_tokens == 256

@@ -1,6 +1,6 @@
 """FoX decoding speed and memory: the split-K decode kernel, generate() against LLaMA, KV eviction, batch serving.
 
-One run on one GPU, bf16, four parts (each can be skipped):
+One run on one GPU, bf16, in parts (`--parts`; the first three by default, serving on request: it takes longest):
 - attention: one new token against a cache of L keys, batch B, 32 query / 8 KV heads, D = 64 and 128. Achieved HBM
   bandwidth = bytes of K and V read (2 * B * L * Hkv * D * 2) / time, for our kernel and for PyTorch SDPA
   (`enable_gqa`) on the same (B, Hkv, L, D) cache (SDPA without the forget bias: what plain decoding costs).
@@ -37,7 +37,8 @@ def _ints(text):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="attention,generate,eviction,serving")
+    parser.add_argument("--parts", default="attention,generate,eviction",
+                        help="comma-separated, of attention, generate, eviction, serving (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per generate() (generate, serving)")
     parser.add_argument("--serving-batches", type=_ints, default=[1, 8, 32, 64],
                         help="comma-separated batch sizes (1,8,32,64)")
