@@ -231,7 +231,7 @@ def convert(args, source, converted_dir, train_docs, context):
 def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, context):
     import torch
     from peft import get_peft_model
-    from transformers import DataCollatorWithFlattening, TrainingArguments, set_seed
+    from transformers import DataCollatorWithFlattening, TrainerState, TrainingArguments, set_seed
 
     from foxlm import FoxForCausalLM, fox_lora_config, optimizer_param_groups
     from foxlm.data import padding_free_examples
@@ -281,7 +281,14 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
                                   data_collator=DataCollatorWithFlattening(), optimizers=(optimizer, scheduler),
                                   callbacks=[budget], teacher=teacher, kl_weight=args.kl_weight,
                                   teacher_context=context)
-    trainer.train(resume_from_checkpoint=checkpoint)
+    if checkpoint and TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json")).global_step >= \
+            args.steps:
+        # Trainer would run one more step before it saw that none is left (it checks after each step).
+        print(f"{checkpoint} holds all {args.steps} steps: nothing left to train, saving its model")
+        trainer._load_from_checkpoint(checkpoint)  # what train(resume_from_checkpoint=...) loads, without training
+        trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
+    else:
+        trainer.train(resume_from_checkpoint=checkpoint)
     if budget.stopped_by_time:
         print(f"the {args.max_minutes:g}-minute budget ended training after {trainer.state.global_step} steps")
     save_fine_tuning(run_dir, trainable, tokenizer, trainer, args)  # adapter/, fine-tuned/, train_log.json

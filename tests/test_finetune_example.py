@@ -99,6 +99,23 @@ def test_resume_continues_from_the_last_checkpoint(llama_and_corpus):
     assert [entry["step"] for entry in history if "loss" in entry] == [1, 2, 3]
 
 
+@pytest.mark.parametrize("mode", [[], ["--full"]], ids=["lora", "full"])
+def test_resuming_a_run_whose_training_ended_trains_no_more_and_saves_the_same_model(llama_and_corpus, mode):
+    root = llama_and_corpus
+    name = "ended-" + ("full" if mode else "lora")
+    args = [*mode, "--steps", "2", "--save-steps", "1", "--skip-eval"]
+    foxlm(["finetune", *finetune_args(root, name, *args)])
+    run = root / name
+    first_log = [entry for entry in json.loads((run / "train_log.json").read_text()) if "loss" in entry]
+    first = load_file(run / "fine-tuned" / "model.safetensors")
+    (run / "train_log.json").unlink()  # as a run killed while saving its results leaves it (saves are staged)
+    foxlm(["finetune", *finetune_args(root, name, *args, "--resume")])
+    assert [entry for entry in json.loads((run / "train_log.json").read_text()) if "loss" in entry] == first_log
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["checkpoint-2"]
+    again = load_file(run / "fine-tuned" / "model.safetensors")
+    assert first.keys() == again.keys() and all(torch.equal(first[key], again[key]) for key in first)
+
+
 class KillAfterCheckpoint(TrainerCallback):
     """Stops a run as a kill would, right after checkpoint `step` is on disk."""
 
@@ -122,8 +139,9 @@ def test_a_killed_run_resumed_ends_bit_identical_to_an_uninterrupted_one(llama_a
                 super().__init__(*args, callbacks=[*callbacks, KillAfterCheckpoint(2)], **kwargs)
 
         patch.setattr(distillation, "DistillationTrainer", KilledTrainer)
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(SystemExit) as stop:  # foxlm ends on Ctrl-C with exit status 130
             foxlm(["finetune", *finetune_args(root, name, *args)])
+        assert stop.value.code == 130
     state_path = root / name / "checkpoints" / "checkpoint-2" / "trainer_state.json"
     state = json.loads(state_path.read_text())
     state["log_history"][0]["mark"] = "from the killed run"
