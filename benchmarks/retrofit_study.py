@@ -51,7 +51,8 @@ def table(runs):
     the worst band beyond the original's context against its last band (prose), needle accuracy."""
     domains = sorted({d for run in runs.values() for d in run["summary"].get("vs_original", {})})
     header = (["recipe", "steps"] + [f"{d}: loss vs original" for d in domains]
-              + [f"{d}: top-1 agreement" for d in domains] + ["prose: worst band past the original's context", "needle"])
+              + [f"{d}: top-1 agreement" for d in domains]
+              + ["prose: worst band past the original's context", "needle"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, run in runs.items():
         summary = run["summary"]

@@ -412,7 +412,8 @@ def add_eval_commands(commands):
                             help="read the docs and prose corpora from this folder (benchmarks/pack_corpus.py) "
                                  "instead of the installed Debian packages (default: $FOXLM_CORPUS_DIR)")
         parser.add_argument("--split", default="validation", help="split of a `datasets` --data (default: %(default)s)")
-        parser.add_argument("--text-column", default="text", help="text column of a `datasets` --data (default: %(default)s)")
+        parser.add_argument("--text-column", default="text",
+                            help="text column of a `datasets` --data (default: %(default)s)")
         parser.add_argument("--pack", action="store_true",
                             help="pack a glob or `datasets` --data (EOS between documents) into documents of the "
                                  "full length, as the domains are; without it each file or record is one document")

@@ -121,7 +121,8 @@ def parse_args(argv=None, prog=None):
     evaluation.add_argument("--eval-length", type=int, default=None,
                             help=f"per-token loss up to this position ({machine_default('eval_length')})")
     evaluation.add_argument("--eval-docs", type=int, default=None,
-                            help=f"held-out documents of --eval-length tokens, at most ({machine_default('eval_docs')})")
+                            help="held-out documents of --eval-length tokens, at most "
+                                 f"({machine_default('eval_docs')})")
     evaluation.add_argument("--min-documents", type=int, default=3,
                             help="plot and average only positions that at least this many documents reach "
                                  "(default: %(default)s)")
@@ -264,10 +265,8 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
         **{CHECKPOINTING_ARGUMENT: args.gradient_checkpointing}, logging_steps=max(1, args.steps // 50),
         save_steps=args.save_steps, save_total_limit=1, report_to=[], use_cpu=not on_gpu, seed=0,
     )
-    checkpoints = Path(training_args.output_dir)
-    checkpoint = last_complete_checkpoint(checkpoints) if args.resume else None
-    if args.resume and checkpoint is None:
-        sys.exit(f"error: --resume: no checkpoint in {checkpoints}")
+    # With --resume, prepare_run_folder has checked that a complete checkpoint exists.
+    checkpoint = last_complete_checkpoint(training_args.output_dir) if args.resume else None
     teacher = None
     if args.kl_weight:
         teacher, _ = load_causal_lm(source, dtype=torch.bfloat16 if on_gpu else torch.float32, with_tokenizer=False)
@@ -281,12 +280,12 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
                                   data_collator=DataCollatorWithFlattening(), optimizers=(optimizer, scheduler),
                                   callbacks=[budget], teacher=teacher, kl_weight=args.kl_weight,
                                   teacher_context=context)
-    if checkpoint and TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json")).global_step >= \
-            args.steps:
+    saved = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json")) if checkpoint else None
+    if saved is not None and saved.global_step >= args.steps:
         # Trainer would run one more step before it saw that none is left (it checks after each step).
         print(f"{checkpoint} holds all {args.steps} steps: nothing left to train, saving its model")
         trainer._load_from_checkpoint(checkpoint)  # what train(resume_from_checkpoint=...) loads, without training
-        trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
+        trainer.state = saved
     else:
         trainer.train(resume_from_checkpoint=checkpoint)
     if budget.stopped_by_time:

@@ -170,8 +170,11 @@ class FoxAttention(nn.Module):
         elif config.fgate_type in ("data_independent", "fixed"):
             self.fgate_bias = FoxForgetGateBias(self.num_heads, trainable=config.fgate_type == "data_independent")
 
-        self.k_shift_proj = FoxShiftProj(hidden, self.num_kv_heads, bias=config.shift_bias) if config.use_k_shift else None
-        self.v_shift_proj = FoxShiftProj(hidden, self.num_kv_heads, bias=config.shift_bias) if config.use_v_shift else None
+        self.k_shift_proj = self.v_shift_proj = None
+        if config.use_k_shift:
+            self.k_shift_proj = FoxShiftProj(hidden, self.num_kv_heads, bias=config.shift_bias)
+        if config.use_v_shift:
+            self.v_shift_proj = FoxShiftProj(hidden, self.num_kv_heads, bias=config.shift_bias)
         if config.qk_norm:
             self.q_norm = FoxHeadRMSNorm(self.num_heads, self.head_dim, config.qk_norm_eps)
             self.k_norm = FoxHeadRMSNorm(self.num_kv_heads, self.head_dim, config.qk_norm_eps)

@@ -129,7 +129,8 @@ def test_the_loss_runs_under_the_trainers_mixed_precision(tmp_path, monkeypatch)
     """The decoder is called past the forward that accelerate wraps in autocast: the trainer enters it itself."""
     trainer, _ = make_trainer(tmp_path, kl_weight=1.0)
     seen = []
-    monkeypatch.setattr(trainer.accelerator, "autocast", lambda: seen.append(True) or torch.autocast("cpu", enabled=False))
+    monkeypatch.setattr(trainer.accelerator, "autocast",
+                        lambda: seen.append(True) or torch.autocast("cpu", enabled=False))
     trainer.compute_loss(trainer.model, DataCollatorWithFlattening()(packed_examples()[:2]))
     assert seen == [True]
 
@@ -139,7 +140,8 @@ def test_bf16_training_runs_the_models_attention_in_bf16(tmp_path, monkeypatch):
     import foxlm.modeling_fox as modeling
 
     dtypes, attention = [], modeling.forgetting_attention
-    monkeypatch.setattr(modeling, "forgetting_attention", lambda q, *a, **k: dtypes.append(q.dtype) or attention(q, *a, **k))
+    monkeypatch.setattr(modeling, "forgetting_attention",
+                        lambda q, *a, **k: dtypes.append(q.dtype) or attention(q, *a, **k))
     teacher, student = tiny_llama(), fox_from_llama(tiny_llama())
     args = TrainingArguments(output_dir=str(tmp_path), bf16=True, report_to=[], save_strategy="no")
     trainer = DistillationTrainer(model=student, args=args, teacher=teacher, kl_weight=1.0)

@@ -21,6 +21,15 @@ BENCHMARKS = {  # `foxlm bench NAME`: module of this package, what it measures, 
     "trainer-profile": ("trainer_step_profile", "how busy the GPU is in a Trainer step, kernels per step (GPU)", {}),
 }
 
+def comma_list(text):
+    """An option type the benchmarks share: comma-separated items (no torch needed, for their --help)."""
+    return [item for item in text.split(",") if item]
+
+
+def comma_integers(text):
+    return [int(item) for item in comma_list(text)]
+
+
 # Run by `run` in a new interpreter: the working directory, first on the path of `python -c`, gives way to the folder
 # of the foxlm that called it (unless that folder is on the path already: site-packages stays behind the standard
 # library), so that both run the same foxlm.

@@ -28,11 +28,8 @@ import contextlib
 import gc
 import time
 
+from . import comma_integers
 from .run_record import RESULTS_DIR, new_record, record_path, write_record
-
-
-def _ints(text):
-    return [int(item) for item in text.split(",")]
 
 
 def parse_args(argv=None):
@@ -40,9 +37,9 @@ def parse_args(argv=None):
     parser.add_argument("--parts", default="attention,generate,eviction",
                         help="comma-separated, of attention, generate, eviction, serving (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per generate() (generate, serving)")
-    parser.add_argument("--serving-batches", type=_ints, default=[1, 8, 32, 64],
+    parser.add_argument("--serving-batches", type=comma_integers, default=[1, 8, 32, 64],
                         help="comma-separated batch sizes (1,8,32,64)")
-    parser.add_argument("--serving-prompts", type=_ints, default=[4096, 32768],
+    parser.add_argument("--serving-prompts", type=comma_integers, default=[4096, 32768],
                         help="comma-separated prompt lengths in tokens (4096,32768)")
     parser.add_argument("--out", default=RESULTS_DIR)
     return parser.parse_args(argv)

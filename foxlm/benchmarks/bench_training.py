@@ -31,6 +31,7 @@ import math
 import time
 import traceback
 
+from . import comma_integers, comma_list
 from .run_record import RESULTS_DIR, new_record, record_path, write_record
 
 MODELS = {"llama-sdpa": "LLaMA (SDPA)", "fox-llama": "FoX (LLaMA)", "fox-pro": "FoX (Pro)"}
@@ -57,32 +58,25 @@ KERNEL_GROUPS = (
 )
 
 
-def names(text):
-    return [item for item in text.split(",") if item]
-
-
-def integers(text):
-    return [int(item) for item in names(text)]
-
-
 def on_off(text):
-    return [{"off": False, "on": True}[item] for item in names(text)]
+    return [{"off": False, "on": True}[item] for item in comma_list(text)]
 
 
 def size_contexts(text):
-    return [] if text == "none" else [(size, int(context)) for size, context in (i.split(":") for i in names(text))]
+    pairs = (item.split(":") for item in comma_list(text))
+    return [] if text == "none" else [(size, int(context)) for size, context in pairs]
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", type=names, default=list(MODELS), help="default: all three")
-    parser.add_argument("--sizes", type=names, default=["125m", "760m"], help="125m, 760m (tiny: smoke tests)")
-    parser.add_argument("--contexts", type=integers, default=[4096, 16384])
+    parser.add_argument("--models", type=comma_list, default=list(MODELS), help="default: all three")
+    parser.add_argument("--sizes", type=comma_list, default=["125m", "760m"], help="125m, 760m (tiny: smoke tests)")
+    parser.add_argument("--contexts", type=comma_integers, default=[4096, 16384])
     parser.add_argument("--checkpointing", type=on_off, default=[False, True], help="off,on (default: both)")
     parser.add_argument("--acp", type=on_off, default=[False, True], help="off,on for FoX rows (default: both)")
     parser.add_argument("--compile", type=size_contexts, default=[("125m", 4096)],
                         help="SIZE:CONTEXT list of torch.compile rows, or none (default: 125m:4096)")
-    parser.add_argument("--compile-models", type=names, default=["llama-sdpa", "fox-llama"],
+    parser.add_argument("--compile-models", type=comma_list, default=["llama-sdpa", "fox-llama"],
                         help="models of the compile rows (default: llama-sdpa,fox-llama)")
     parser.add_argument("--tokens-per-step", type=int, default=32768, help="batch = this / context")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row (compile rows: at least 3)")

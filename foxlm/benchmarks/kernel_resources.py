@@ -37,7 +37,8 @@ def parse_args(argv=None):
     parser.add_argument("--layout", choices=["dense", "packed", "padded"], default="dense",
                         help="the kernel variant: equal-length sequences, packed ones (cu_seqlens) or left-padded ones")
     parser.add_argument("--loads", choices=["tma", "pointers"], default="tma",
-                        help="how the forward and dQ loops load K/V tiles: TMA descriptors (Hopper and newer) or pointers")
+                        help="how the forward and dQ loops load K/V tiles: TMA descriptors (Hopper and newer) or "
+                             "pointers")
     return parser.parse_args(argv)
 
 
