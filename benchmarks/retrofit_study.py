@@ -25,6 +25,7 @@ RECIPES = {
     "no-token-shift": ["--no-token-shift"],
     "gates-only-transfer": ["--transfer-qk-rank", "0"],
     "full": ["--full"],
+    "no-samples": ["--teacher-samples", "0"],
 }
 
 
@@ -52,7 +53,7 @@ def table(runs):
     domains = sorted({d for run in runs.values() for d in run["summary"].get("vs_original", {})})
     header = (["recipe", "steps"] + [f"{d}: loss vs original" for d in domains]
               + [f"{d}: top-1 agreement" for d in domains]
-              + ["prose: worst band past the original's context", "needle"])
+              + ["prose: worst band past the original's context", "needle", "sampled from the original"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, run in runs.items():
         summary = run["summary"]
@@ -68,6 +69,8 @@ def table(runs):
         needle = (summary.get("needle") or {}).get(finetune.FINE_TUNED, {})
         row.append(", ".join(f"{int(c) // 1024}k {a:.0%}" if int(c) >= 1024 else f"{c} {a:.0%}"
                              for c, a in needle.items()) or "-")
+        samples = summary.get("teacher_samples")
+        row.append(f"{samples['tokens'] / 1e6:.1f}M tokens in {samples['seconds']:.0f} s" if samples else "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -6,13 +6,17 @@ from the original (the teacher: frozen, eval mode, no grad) in the same step, at
 trained context. Beyond that context the teacher's predictions are broken, and only the next-token loss applies.
 
 The language-model head runs in chunks of `chunk_size` tokens under activation checkpointing, so a 16k-token sequence
-never holds its (tokens x vocabulary) logits in fp32 at once, for the student or the teacher. Design: docs/retrofit.md.
+never holds its (tokens x vocabulary) logits in fp32 at once, for the student or the teacher.
+
+`sample_documents` draws text from the original itself, to distil on: the original's own distribution, whatever the
+training corpus covers. Design: docs/retrofit.md.
 """
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from transformers import Trainer
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, Trainer
 from transformers.trainer_utils import unwrap_peft_model
 
 IGNORE_INDEX = -100
@@ -135,3 +139,42 @@ class DistillationTrainer(Trainer):
                 logs[name] = round(torch.stack(values).sum().item() / steps, 4)
             self._terms = {"ce": [], "kl": []}
         super().log(logs, *args, **kwargs)
+
+
+@torch.no_grad()
+def sample_documents(model, *, num_tokens, eos_token_id, max_length=1024, batch_size=256, seed=0):
+    """Documents sampled from `model`, about `num_tokens` tokens in all: token id lists, each ending with EOS.
+
+    Each document starts after an EOS, as a new document does in packed pretraining data, and is sampled at
+    temperature 1 without top-k or top-p truncation, so the documents follow the model's own distribution; a document
+    ends at the model's first EOS or after `max_length` tokens (EOS appended). Sampling uses its own random stream
+    (`seed`), so the caller's is untouched and the same seed gives the same documents on the same machine.
+    """
+    for name, value in (("num_tokens", num_tokens), ("max_length", max_length), ("batch_size", batch_size)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    device = model.device
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_length,
+                              eos_token_id=eos_token_id, pad_token_id=eos_token_id)
+    documents, total = [], 0
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            tqdm(total=num_tokens, desc="sampling from the original", unit="tok") as progress:
+        torch.manual_seed(seed)
+        while total < num_tokens:
+            start = torch.full((batch_size, 1), eos_token_id, device=device)
+            sampled = model.generate(start, attention_mask=torch.ones_like(start), generation_config=config)[:, 1:]
+            ends = sampled == eos_token_id
+            # Up to and including the first EOS; a document that never ended gets one.
+            lengths = torch.where(ends.any(-1), ends.int().argmax(-1) + 1, sampled.shape[1]).tolist()
+            if bool(ends[:, 0].all()):
+                raise RuntimeError("the model sampled only EOS tokens after EOS for a whole batch: it does not "
+                                   "generate text on its own; train without samples from it.")
+            for row, length in zip(sampled.tolist(), lengths):
+                document = row[:length] if row[length - 1] == eos_token_id else row[:length] + [eos_token_id]
+                if len(document) > 1:  # an EOS alone teaches nothing
+                    documents.append(document)
+                    total += len(document)
+                    progress.update(len(document))
+                if total >= num_tokens:
+                    break
+    return documents

@@ -19,7 +19,9 @@ flag. `--resume` continues from the last checkpoint; `--skip-eval` and `--eval-o
 import argparse
 import json
 import math
+import random
 import sys
+import time
 from pathlib import Path
 
 from foxlm.data import EVAL_PERCENT
@@ -29,7 +31,9 @@ LORA_LR, FULL_LR = 3e-3, 3e-4  # benchmarks/NOTES_finetune.md: how they were cho
 MACHINE_DEFAULTS = {
     "context": (16384, 512), "steps": (300, 12), "tokens_per_step": (65536, 1024), "eval_length": (32768, 1024),
     "eval_docs": (16, 6), "transfer_steps": (400, 4), "transfer_batch_size": (8, 2), "transfer_length": (2048, 256),
+    "teacher_samples": (2**21, 1024), "sample_length": (1024, 64), "sample_batch_size": (512, 8),
 }
+SAMPLES_FILE = "teacher_samples.npz"
 
 
 def machine_default(name):
@@ -74,6 +78,14 @@ def parse_args(argv=None, prog=None):
     data.add_argument("--corpus-dir", default=None, metavar="DIR",
                       help="read the Debian corpora from this folder (written by benchmarks/pack_corpus.py) instead "
                            "of the installed packages (default: $FOXLM_CORPUS_DIR if set)")
+    data.add_argument("--teacher-samples", type=int, default=None, metavar="TOKENS",
+                      help="tokens of text sampled from the original model and mixed into the training data, for "
+                           "both stages: distillation on the original's own text keeps what it knew beyond the "
+                           f"training corpus; 0 for none ({machine_default('teacher_samples')})")
+    data.add_argument("--sample-length", type=int, default=None, metavar="TOKENS",
+                      help=f"longest sampled document ({machine_default('sample_length')})")
+    data.add_argument("--sample-batch-size", type=int, default=None,
+                      help=f"documents sampled at once ({machine_default('sample_batch_size')})")
     transfer = parser.add_argument_group(
         "attention transfer (stage 1, while converting; docs/retrofit.md)",
         "Each layer's forget gate, token shift and a low-rank update of q_proj/k_proj learn to reproduce the original "
@@ -142,10 +154,10 @@ def parse_args(argv=None, prog=None):
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = on_gpu
     for name in ("context", "steps", "tokens_per_step", "lora_r", "save_steps", "eval_length", "eval_docs",
-                 "transfer_length", "transfer_batch_size", "min_documents"):
+                 "transfer_length", "transfer_batch_size", "min_documents", "sample_length", "sample_batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("transfer_steps", "transfer_qk_rank"):
+    for name in ("transfer_steps", "transfer_qk_rank", "teacher_samples"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
     for name in ("transfer_lr", "lr", "max_minutes"):
@@ -184,6 +196,38 @@ def load_documents(args, tokenizer):
         held_out[domain] = domain_texts(domain, True, args.corpus_dir)
     return (tokenize_documents(tokenizer, train_texts, add_bos=False),
             {domain: tokenize_documents(tokenizer, texts, add_bos=False) for domain, texts in held_out.items()})
+
+
+def teacher_samples(args, source, run_dir):
+    """--teacher-samples tokens of documents sampled from the original (`foxlm.distillation.sample_documents`),
+    saved in DIR/teacher_samples.npz so that --resume trains on the same ones."""
+    import io
+
+    import numpy as np
+    import torch
+
+    from foxlm.distillation import sample_documents
+    from foxlm.evaluation import load_causal_lm
+    from foxlm.outputs import write_file_atomic
+
+    path = run_dir / SAMPLES_FILE
+    if args.resume and path.exists():
+        with np.load(path) as saved:
+            return [part.tolist() for part in np.split(saved["tokens"], np.cumsum(saved["lengths"])[:-1])]
+    on_gpu = torch.cuda.is_available()
+    model, tokenizer = load_causal_lm(source, dtype=torch.bfloat16 if on_gpu else torch.float32,
+                                      device="cuda" if on_gpu else None)
+    started = time.perf_counter()
+    documents = sample_documents(model, num_tokens=args.teacher_samples, eos_token_id=tokenizer.eos_token_id,
+                                 max_length=args.sample_length, batch_size=args.sample_batch_size)
+    seconds = time.perf_counter() - started
+    del model
+    lengths = [len(document) for document in documents]
+    print(f"sampled {sum(lengths)} tokens in {len(documents)} documents from the original in {seconds:.0f} s")
+    buffer = io.BytesIO()
+    np.savez(buffer, tokens=np.concatenate(documents).astype(np.int32), lengths=np.array(lengths), seconds=seconds)
+    write_file_atomic(path, buffer.getvalue())
+    return documents
 
 
 def blocks_of(documents, length, flag, what=""):
@@ -329,6 +373,11 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
     if args.needle:
         summary["needle"] = needle(args, {} if args.skip_original else {ORIGINAL: source}, fine_tuned_dir, held_out,
                                    run_dir, dtype, device)
+    samples_path = run_dir / SAMPLES_FILE
+    if samples_path.exists():
+        with np.load(samples_path) as saved:
+            summary["teacher_samples"] = {"tokens": int(saved["lengths"].sum()), "documents": len(saved["lengths"]),
+                                          "seconds": float(saved["seconds"])}
     log_path = run_dir / "train_log.json"
     if log_path.exists():
         log = json.loads(log_path.read_text())
@@ -392,6 +441,9 @@ def main(argv=None, prog=None):
         held_out = {domain: evenly_spaced(blocks_of(docs, args.eval_length, "--eval-length", f"held-out {domain} "),
                                           args.eval_docs) for domain, docs in held_out.items()}
     if not args.eval_only:
+        if args.teacher_samples:
+            train_docs = train_docs + teacher_samples(args, source, run_dir)
+            random.Random(0).shuffle(train_docs)  # both kinds in every block, and in the transfer's
         if args.force or not converted_dir.exists():
             convert(args, source, converted_dir, train_docs, context)
         fine_tune(args, source, converted_dir, tokenizer, blocks_of(train_docs, args.context, "--context"), run_dir,

@@ -6,7 +6,7 @@ from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausal
 
 from foxlm import fox_lora_config
 from foxlm.conversion import fox_from_llama
-from foxlm.distillation import DistillationTrainer, chunked_distillation_loss
+from foxlm.distillation import DistillationTrainer, chunked_distillation_loss, sample_documents
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
@@ -148,3 +148,42 @@ def test_bf16_training_runs_the_models_attention_in_bf16(tmp_path, monkeypatch):
     batch = {k: v.cuda() for k, v in DataCollatorWithFlattening()(packed_examples()[:2]).items()}
     trainer.compute_loss(trainer.model, batch).backward()
     assert dtypes and set(dtypes) == {torch.bfloat16}
+
+
+def test_sampled_documents_follow_the_model_end_with_one_eos_and_leave_the_callers_random_stream_alone():
+    model, eos = tiny_llama(), 5
+    with torch.no_grad():  # make EOS likely enough that some documents end before max_length
+        model.lm_head.bias = None
+        model.lm_head.weight[eos] *= 0
+        model.lm_head.weight[eos] += model.model.norm.weight.sign() * 0.5
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    documents = sample_documents(model, num_tokens=100, eos_token_id=eos, max_length=12, batch_size=4, seed=7)
+    assert torch.equal(torch.rand(3), expected_next)  # sampling used its own random stream
+    assert sum(map(len, documents)) >= 100
+    assert all(1 < len(doc) <= 13 and doc[-1] == eos and eos not in doc[:-1] for doc in documents)
+    assert any(len(doc) < 13 for doc in documents) and any(len(doc) == 13 for doc in documents)
+    assert sample_documents(model, num_tokens=100, eos_token_id=eos, max_length=12, batch_size=4, seed=7) == documents
+    assert sample_documents(model, num_tokens=100, eos_token_id=eos, max_length=12, batch_size=4, seed=8) != documents
+
+
+def test_documents_are_sampled_from_the_models_whole_distribution():
+    """Temperature 1, no top-k or top-p: first tokens come as often as the model predicts them after EOS."""
+    model, eos = tiny_llama(), 5
+    documents = sample_documents(model, num_tokens=8000, eos_token_id=eos, max_length=1, batch_size=1000)
+    with torch.no_grad():
+        probs = model(torch.tensor([[eos]])).logits[0, -1].double().softmax(-1)
+    probs[eos] = 0  # a document that is EOS alone is dropped
+    probs /= probs.sum()
+    counts = torch.bincount(torch.tensor([doc[0] for doc in documents]), minlength=len(probs)).double()
+    frequencies = counts / counts.sum()
+    assert (frequencies - probs).abs().max() < 0.01
+    tail = probs.argsort()[: len(probs) // 2]  # what a top-k of half the vocabulary would never sample
+    assert abs(frequencies[tail].sum() - probs[tail].sum()) < 0.02 and probs[tail].sum() > 0.2
+
+def test_sampling_refuses_bad_sizes():
+    with pytest.raises(ValueError, match="`num_tokens` must be a positive integer, got 0"):
+        sample_documents(tiny_llama(), num_tokens=0, eos_token_id=1)
+    with pytest.raises(ValueError, match="`batch_size` must be a positive integer"):
+        sample_documents(tiny_llama(), num_tokens=10, eos_token_id=1, batch_size=2.5)

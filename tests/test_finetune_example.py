@@ -60,6 +60,9 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
     assert "Attention transfer: 4 steps" in (run / "converted" / "README.md").read_text()
     converted = json.loads((run / "converted" / "config.json").read_text())
     assert converted["use_k_shift"] and converted["use_v_shift"] and converted["shift_bias"]
+    # Text sampled from the original joins the training data (the CPU default: 1024 tokens, documents of <= 64).
+    assert summary["teacher_samples"]["tokens"] >= 1024 and summary["teacher_samples"]["documents"] >= 1024 // 65
+    assert any(line.startswith("sampled ") and "from the original" in line for line in out)
     logged = [entry for entry in json.loads((run / "train_log.json").read_text()) if "loss" in entry]
     assert logged and all(entry["kl"] > 0 and abs(entry["loss"] - entry["ce"] - entry["kl"]) < 1e-3
                           for entry in logged), logged
