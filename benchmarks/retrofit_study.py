@@ -26,6 +26,7 @@ RECIPES = {
     "gates-only-transfer": ["--transfer-qk-rank", "0"],
     "full": ["--full"],
     "no-samples": ["--teacher-samples", "0"],
+    "attention-lora": ["--lora-modules", "attention"],
 }
 
 
@@ -40,6 +41,22 @@ def cached_documents():
         return cache[key]
 
     return load
+
+
+def cached_samples():
+    """`finetune.teacher_samples`, remembered per sampling option and copied into each run: sampling from the
+    original once saves minutes. Each run's file keeps the time the sampling took."""
+    original, cache = finetune.teacher_samples, {}
+
+    def sample(args, source, run_dir):
+        key = (source, args.teacher_samples, args.sample_length, args.sample_batch_size)
+        if key not in cache:
+            cache[key] = (original(args, source, run_dir), (run_dir / finetune.SAMPLES_FILE).read_bytes())
+        documents, saved = cache[key]
+        (run_dir / finetune.SAMPLES_FILE).write_bytes(saved)
+        return documents
+
+    return sample
 
 
 def band_change(bands, label, reference, band):
@@ -92,6 +109,7 @@ def main():
         parser.error(f"--recipes: unknown {', '.join(unknown)}; choose from {', '.join(RECIPES)}")
     common = [a for a in args.finetune_args if a != "--"] + (["--model", args.model] if args.model else [])
     finetune.load_documents = cached_documents()
+    finetune.teacher_samples = cached_samples()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     path = Path(args.results) / f"retrofit_study_{device.replace(' ', '_')}_{time.strftime('%Y%m%d-%H%M')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -117,6 +117,9 @@ def parse_args(argv=None, prog=None):
     training.add_argument("--full", action="store_true",
                           help="full fine-tuning (every weight) instead of LoRA on the projections")
     training.add_argument("--lora-r", type=int, default=32, help="LoRA rank (default: %(default)s)")
+    training.add_argument("--lora-modules", choices=("all", "attention"), default="all",
+                          help="LoRA on every projection, or on the attention's (q, k, v, o) only, leaving the "
+                               "MLPs as the original trained them (default: %(default)s)")
     training.add_argument("--lr", type=float, default=None,
                           help=f"peak learning rate (default: {LORA_LR} with LoRA, {FULL_LR} with --full)")
     training.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
@@ -283,7 +286,7 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
     from foxlm.distillation import DistillationTrainer
     from foxlm.evaluation import load_causal_lm
     from foxlm.outputs import last_complete_checkpoint, save_fine_tuning
-    from foxlm.training import CHECKPOINTING_ARGUMENT, TrainingBudget
+    from foxlm.training import ATTENTION_PROJECTIONS, CHECKPOINTING_ARGUMENT, LORA_TARGET_MODULES, TrainingBudget
 
     on_gpu = torch.cuda.is_available()
     # fp32 weights even on a GPU (bf16 autocast does the math): AdamW steps of ~lr would round away in bf16
@@ -293,7 +296,9 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
         trainable = model
     else:
         set_seed(0)  # LoRA's A matrices come from the global RNG; TrainingArguments' seed acts only later
-        trainable = get_peft_model(model, fox_lora_config(model, r=args.lora_r, lora_alpha=args.lora_r))
+        targets = ATTENTION_PROJECTIONS if args.lora_modules == "attention" else LORA_TARGET_MODULES
+        trainable = get_peft_model(model, fox_lora_config(model, r=args.lora_r, lora_alpha=args.lora_r,
+                                                          target_modules=targets))
         trainable.print_trainable_parameters()
     # One block per micro-batch, which DataCollatorWithFlattening hands to FoX's packed (varlen) kernel unpadded.
     examples = padding_free_examples(train_blocks, max_length=args.context)

@@ -11,6 +11,7 @@ from transformers import TrainerCallback, TrainingArguments
 # LLaMA's projections: LoRA adapts these. Registered for model_type "fox", so that
 # `get_peft_model(model, LoraConfig(...))` without `target_modules` picks the same projections.
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATTENTION_PROJECTIONS = LORA_TARGET_MODULES[:4]
 TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.setdefault("fox", LORA_TARGET_MODULES)
 # `TrainingArguments(**{CHECKPOINTING_ARGUMENT: True})`: transformers 5.23 renamed `gradient_checkpointing` to
 # `activation_checkpointing` (the old name still works there, with a warning; older versions know only it).
@@ -21,9 +22,10 @@ FOX_MODULES = ["fgate_proj", "fgate_bias", "k_shift_proj", "v_shift_proj", "q_no
                "ogate_proj"]
 
 
-def fox_lora_config(model, r=16, lora_alpha=32, lora_dropout=0.0, **kwargs):
-    """`LoraConfig` for a FoX model: LoRA on the attention and MLP projections, forget gates (and any other FoX
-    modules the model has) fully trainable and saved with the adapter.
+def fox_lora_config(model, r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGET_MODULES, **kwargs):
+    """`LoraConfig` for a FoX model: LoRA on the attention and MLP projections (or `target_modules`, e.g.
+    `ATTENTION_PROJECTIONS`), forget gates (and any other FoX modules the model has) fully trainable and saved with
+    the adapter.
 
     `get_peft_model` draws the LoRA A matrices from torch's global RNG: seed it just before (`transformers.set_seed`)
     for repeatable runs, since `TrainingArguments(seed=...)` only takes effect when the `Trainer` is built, after.
@@ -34,7 +36,7 @@ def fox_lora_config(model, r=16, lora_alpha=32, lora_dropout=0.0, **kwargs):
         r=r,
         lora_alpha=lora_alpha,
         lora_dropout=lora_dropout,
-        target_modules=LORA_TARGET_MODULES,
+        target_modules=list(target_modules),
         modules_to_save=[name for name in FOX_MODULES if name in present],
         **kwargs,
     )
