@@ -220,8 +220,8 @@ class FoxAttention(nn.Module):
         eviction is ACP in the decode kernel, which skips what eviction would drop."""
         T = q.shape[1]
         static = cache_layer.is_static
-        # The static cache's length is a tensor: its capacity bounds the keys (a larger count is a safe ACP bound).
-        past = 0 if static and not cache_layer.filled else cache_layer.get_seq_length()
+        past = cache_layer.get_seq_length()  # a tensor in a filled static cache
+        # The static cache bounds the keys by its capacity: a larger count is a safe ACP bound, and needs no sync.
         n_keys = cache_layer.max_cache_len if static else past + T
         eps = self.config.acp_eps
         evict_delta = None
@@ -479,7 +479,6 @@ class FoxModel(FoxPreTrainedModel):
             layout = _static_cache_layout(attention_mask, static_layer, inputs_embeds.shape[:2])
         else:
             past_length = cache.get_seq_length() if cache is not None else 0
-            past_length = 0 if isinstance(past_length, torch.Tensor) else past_length  # an empty static cache
             # Only position ids from the caller can mark packed documents; skipping the check otherwise keeps the
             # plain forward free of host syncs (and of graph breaks under torch.compile).
             layout = attention_layout(attention_mask, position_ids, past_length, inputs_embeds.shape[:2], kwargs)
@@ -519,8 +518,8 @@ def _static_cache_layout(attention_mask, static_layer, batch_and_length):
         if attention_mask.dim() != 2 or attention_mask.shape[0] != B or not bool(attention_mask[:, -T:].all()):
             raise ValueError(
                 "With a static FoX cache only the prompt may hold masked tokens: after it, give an `attention_mask` "
-                f"(batch={B}, past + new tokens) whose new tokens are all 1s, or none; got shape "
-                f"{tuple(attention_mask.shape)} with 0s among the last {T}."
+                f"(batch={B}, past + new tokens) whose last {T} columns are all 1s, or none; got one of shape "
+                f"{tuple(attention_mask.shape)} that is not."
             )
     return FoxAttentionLayout(seq_start=static_layer.seq_start)
 
