@@ -17,6 +17,7 @@ _EXPORTS = {  # name -> module of the package that defines it
     "FoxForCausalLM": "modeling_fox",
     "FoxForSequenceClassification": "modeling_fox",
     "FoxModel": "modeling_fox",
+    "FoxStaticCacheLayer": "cache_fox",
     "FoxPreTrainedModel": "modeling_fox",
     "forgetting_attention": "kernels",
     "fox_lora_config": "training",

@@ -2,7 +2,7 @@
 state), built by transformers' `DynamicCache` from the config's layer types."""
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
 
 class FoxCacheLayer(DynamicLayer):
@@ -29,6 +29,7 @@ class FoxCacheLayer(DynamicLayer):
     """
 
     _layer_type = "fox_attention"
+    is_static = False
     # Host-side checks (rebase, eviction) run at most every `check_interval` tokens: they need a device sync.
     check_interval = 64
     rebase_at = 1024.0
@@ -259,4 +260,132 @@ class FoxCacheLayer(DynamicLayer):
         self._map_state(lambda t: t.to(self.device, non_blocking=True), include_kv=False)
 
 
-__all__ = ["FoxCacheLayer"]
+class FoxStaticCacheLayer(StaticLayer):
+    """The static twin of `FoxCacheLayer` (`generate(..., cache_implementation="static")`, which transformers builds
+    as a `StaticCache` of these): the same state in buffers preallocated for `max_cache_len` tokens, written in place,
+    so a decode step has fixed shapes, fixed addresses (CUDA graphs) and no host sync.
+
+    - `keys` / `values` (B, kv_heads, max_cache_len, head_dim) and `cumulative_length`, the filled length as a
+      device tensor, as transformers' `StaticLayer`; attention reads the filled part only (`kv_len` of the decode
+      kernel). The buffers are allocated by the first chunk, the prompt.
+    - `fgate_cumsum` (B, heads, max_cache_len) float64: the dynamic cache rebases its fp32 sum when a host check
+      finds it large; here that check would sync every step (or recompile on a counter), and rebasing on the device
+      every step would rewrite the whole buffer. float64 instead keeps `c_q - c_k` exact to ~1e-16 * |c| at any
+      length the cache can hold, for 4 bytes more per key and query head.
+    - `key_norm_max` (B, kv_heads) fp32, `shift_keys` / `shift_values` (B, 1, kv_heads, head_dim) as in the dynamic
+      cache; `seq_start` (B,): each row's masked tokens, all in the prompt (later chunks take no masked tokens).
+    - KV eviction (`FoxConfig.decode_kv_eviction`) cannot free memory from fixed buffers: the attention runs with
+      ACP on instead, so the prefix eviction would drop is skipped, never read, by the decode kernel.
+
+    Whether the layer holds tokens is a Python flag (`filled`), set by the prompt: it never changes during decoding,
+    so a compiled step is not recompiled as the cache fills.
+    """
+
+    _layer_type = "fox_attention"
+    is_static = True
+
+    def __init__(self, max_cache_len, **kwargs):
+        super().__init__(max_cache_len=max_cache_len, **kwargs)
+        self.fgate_cumsum = self.key_norm_max = self.shift_keys = self.shift_values = self.seq_start = None
+        self.filled = False
+
+    def _allocate(self, key_states, value_states, log_fgate, raw_keys, track_key_norm):
+        super().lazy_initialization(key_states, value_states)
+        B, heads = log_fgate.shape[:2]
+        self.fgate_cumsum = log_fgate.new_zeros(B, heads, self.max_cache_len, dtype=torch.float64)
+        buffers = [self.fgate_cumsum]
+        if track_key_norm:
+            self.key_norm_max = key_states.new_zeros(key_states.shape[:2], dtype=torch.float32)
+            buffers.append(self.key_norm_max)
+        if raw_keys is not None:
+            self.shift_keys, self.shift_values = torch.zeros_like(raw_keys[:, :1]), torch.zeros_like(raw_keys[:, :1])
+            buffers += [self.shift_keys, self.shift_values]
+        for buffer in buffers:  # as `StaticLayer` does for its own: CUDA graphs need fixed addresses
+            torch._dynamo.mark_static_address(buffer)
+
+    def get_seq_length(self):
+        return self.cumulative_length if self.filled else 0
+
+    def num_stored_tokens(self):
+        """Tokens held per sequence, summed over KV heads: the buffers' capacity, filled or not."""
+        return self.keys.shape[1] * self.max_cache_len if self.is_initialized else 0
+
+    def kv_groups(self):
+        """(keys, values, fgate_cumsum, evicted) as `FoxCacheLayer.kv_groups`, the whole buffers: read them up to
+        `cumulative_length`."""
+        return [(self.keys, self.values, self.fgate_cumsum, 0)]
+
+    def shift_state(self, name, like):
+        state = self.shift_keys if name == "keys" else self.shift_values
+        return state if self.filled and state is not None else torch.zeros_like(like[:, :1])
+
+    def update_fox(self, key_states, value_states, log_fgate, raw_keys, raw_values, evict_delta=None,
+                   track_key_norm=False, token_mask=None, seq_start=None):
+        """Append a chunk; arguments as `FoxCacheLayer.update_fox` (`evict_delta` must be None: see the class)."""
+        T = key_states.shape[-2]
+        if evict_delta is not None:
+            raise ValueError("a static FoX cache does not evict; its attention skips the evictable keys with ACP.")
+        if self.filled and token_mask is not None:
+            raise NotImplementedError("A static FoX cache takes masked tokens (0s in `attention_mask`) in the first "
+                                      "chunk (the prompt) only.")
+        if not self.filled:
+            if T > self.max_cache_len:
+                raise ValueError(f"A prompt of {T} tokens does not fit a static cache of max_cache_len="
+                                 f"{self.max_cache_len}.")
+            if not self.is_initialized:
+                self._allocate(key_states, value_states, log_fgate, raw_keys, track_key_norm)
+            self.seq_start = None if seq_start is None else seq_start.clone()
+        chunk = log_fgate.double().cumsum(-1)
+        if self.filled:
+            last = self.fgate_cumsum.index_select(-1, (self.cumulative_length - 1).reshape(1))
+            chunk = chunk + last
+        positions = torch.arange(T, device=self.device) + self.cumulative_length
+        self.fgate_cumsum.index_copy_(-1, positions, chunk)
+        if self.key_norm_max is not None:
+            norms = key_states.detach().float().norm(dim=-1).amax(-1)
+            self.key_norm_max.copy_(torch.maximum(self.key_norm_max, norms) if self.filled else norms)
+        if self.shift_keys is not None:
+            self.shift_keys.copy_(raw_keys[:, -1:])
+            self.shift_values.copy_(raw_values[:, -1:])
+        self.update(key_states, value_states)  # keys, values and `cumulative_length`, in place
+        self.filled = True
+
+    def filled_part(self):
+        """(keys, values, fgate_cumsum) up to the filled length, for a chunk too long for the decode kernel: reads
+        the length on the host (one sync), and rebases the running sum to fp32 at the newest token (exact)."""
+        n = int(self.cumulative_length)
+        c = self.fgate_cumsum[..., :n]
+        return self.keys[..., :n, :], self.values[..., :n, :], (c - c[..., -1:]).float()
+
+    def reset(self):
+        super().reset()
+        for buffer in (self.fgate_cumsum, self.key_norm_max, self.shift_keys, self.shift_values):
+            if buffer is not None:
+                buffer.zero_()
+        self.seq_start = None
+        self.filled = False
+
+    def crop(self, tokens_to_remove):
+        if self.shift_keys is not None:
+            raise NotImplementedError("A static FoX cache with a token shift cannot be cropped: it keeps no raw "
+                                      "projections of earlier tokens to restore the shift state from.")
+        length = int(self.get_seq_length())
+        if tokens_to_remove > 0:  # transformers < 5.18 passed the length to keep
+            tokens_to_remove = max(0, length - tokens_to_remove)
+        tokens_to_remove = min(abs(tokens_to_remove), length)
+        self.cumulative_length.sub_(tokens_to_remove)  # the stale tail is overwritten by the next chunk
+        self.filled = length > tokens_to_remove
+
+    def reorder_cache(self, beam_idx):
+        """Beam search: reorder every per-sequence buffer in place (their addresses stay fixed)."""
+        if not self.filled:
+            return
+        for buffer in (self.keys, self.values, self.fgate_cumsum, self.key_norm_max, self.shift_keys,
+                       self.shift_values, self.seq_start):
+            if buffer is not None:
+                buffer.copy_(buffer.index_select(0, beam_idx.to(buffer.device)))
+
+
+FOX_CACHE_LAYERS = (FoxCacheLayer, FoxStaticCacheLayer)
+
+__all__ = ["FOX_CACHE_LAYERS", "FoxCacheLayer", "FoxStaticCacheLayer"]

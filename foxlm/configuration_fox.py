@@ -62,6 +62,7 @@ class FoxConfig(PreTrainedConfig):
             Drop cached keys/values that ACP proves negligible for every future query (tolerance `acp_eps`, e^-10
             if unset), per KV head: heads that forget fast then keep a bounded cache. Needs `qk_norm`, whose scales
             bound `|q.k|` for queries not seen yet. Exact up to eps for sequences up to `max_position_embeddings`.
+            With a static cache (fixed buffers) nothing is freed: the decode kernel skips those keys through ACP.
         attention_backend (`str`, defaults to `"auto"`):
             `"auto"` runs the Triton kernel on CUDA and the PyTorch reference elsewhere; `"triton"` or `"reference"`
             force one.

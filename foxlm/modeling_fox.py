@@ -25,7 +25,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .cache_fox import FoxCacheLayer
+from .cache_fox import FOX_CACHE_LAYERS, FoxStaticCacheLayer
 from .compat import CACHE_ARG, accepts_legacy_cache_arg, cache_kwargs, check_forward_kwargs
 from .configuration_fox import FoxConfig
 from .kernels.acp import DEFAULT_PRUNE_EPS, acp_threshold, cached_score_bound, qk_norm_score_bound
@@ -216,13 +216,18 @@ class FoxAttention(nn.Module):
     def _cached_attention(self, q, k, v, log_fgate, raw_k, raw_v, cache_layer, layout):
         """Attention of the new tokens against the cache: the prefill kernel for a first or long chunk, the decode
         kernel for a few tokens (with ACP when `acp_eps` is set), then (with eviction) dropping what ACP proves
-        negligible for good."""
+        negligible for good. A static cache is read up to its filled length, a device tensor (no host sync); there
+        eviction is ACP in the decode kernel, which skips what eviction would drop."""
         T = q.shape[1]
-        past = cache_layer.get_seq_length()
+        static = cache_layer.is_static
+        past = cache_layer.get_seq_length()  # a tensor in a filled static cache
+        # The static cache bounds the keys by its capacity: a larger count is a safe ACP bound, and needs no sync.
+        n_keys = cache_layer.max_cache_len if static else past + T
         eps = self.config.acp_eps
         evict_delta = None
         if self.config.decode_kv_eviction:
             eps = eps or DEFAULT_PRUNE_EPS
+        if self.config.decode_kv_eviction and not static:
             # log L over the longest sequence the model is meant for: the bound then holds for every later query.
             horizon = max(self.config.max_position_embeddings, past + T)
             evict_delta = acp_threshold(self._acp_bound(q, cache_layer), horizon, eps)
@@ -230,13 +235,23 @@ class FoxAttention(nn.Module):
                                evict_delta=evict_delta, track_key_norm=eps is not None and not self.config.qk_norm,
                                token_mask=layout.token_mask, seq_start=layout.seq_start)
         kwargs = dict(sm_scale=self.scaling, backend=self.config.attention_backend)
-        if past == 0:
+        if isinstance(past, int) and past == 0:
             # A whole prompt: the kernel sums log f itself in float64, exact however long the prompt.
             return forgetting_attention(q, k, v, log_fgate, seq_start=layout.seq_start, **kwargs)
         decode = T <= MAX_DECODE_QUERIES
         acp_delta = None
         if decode and eps is not None:
-            acp_delta = acp_threshold(self._acp_bound(q, cache_layer), past + T, eps)
+            acp_delta = acp_threshold(self._acp_bound(q, cache_layer), n_keys, eps)
+        if static:
+            if decode:
+                keys, values, fgate_cumsum, _ = cache_layer.kv_groups()[0]
+                return forgetting_decode(q, keys.transpose(1, 2), values.transpose(1, 2), fgate_cumsum.transpose(1, 2),
+                                         seq_start=layout.seq_start, acp_delta=acp_delta,
+                                         kv_len=cache_layer.cumulative_length, **kwargs)
+            keys, values, fgate_cumsum = cache_layer.filled_part()
+            return forgetting_attention(q, keys.transpose(1, 2), values.transpose(1, 2),
+                                        fgate_cumsum=fgate_cumsum.transpose(1, 2), seq_start=layout.seq_start,
+                                        **kwargs)
         outs, first_head = [], 0
         for keys, values, fgate_cumsum, evicted in cache_layer.kv_groups():
             heads = slice(first_head, first_head + fgate_cumsum.shape[1])
@@ -285,10 +300,11 @@ class FoxAttention(nn.Module):
 
         cache_layer = None
         if cache is not None:
-            if self.layer_idx >= len(cache.layers) or not isinstance(cache.layers[self.layer_idx], FoxCacheLayer):
+            if self.layer_idx >= len(cache.layers) or not isinstance(cache.layers[self.layer_idx], FOX_CACHE_LAYERS):
                 raise TypeError(
                     "FoX needs FoxCacheLayer cache layers: pass `DynamicCache(config=model.config)` (what generate() "
-                    f"builds), not {type(cache).__name__} without the model config."
+                    "builds) or `StaticCache(config=model.config, max_cache_len=...)`, not "
+                    f"{type(cache).__name__} without the model config."
                 )
             cache_layer = cache.layers[self.layer_idx]
 
@@ -386,7 +402,8 @@ class FoxPreTrainedModel(PreTrainedModel):
     _supports_sdpa = False
     _supports_flash_attn = False
     _supports_flex_attn = False
-    _can_compile_fullgraph = False
+    # The decode step with a static cache is one graph (tests/test_static_cache.py); the prefill stays eager.
+    _can_compile_fullgraph = True
     _supports_attention_backend = False
     _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq"]
     _can_record_outputs = {"hidden_states": FoxDecoderLayer}
@@ -456,10 +473,15 @@ class FoxModel(FoxPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        past_length = cache.get_seq_length() if cache is not None else 0
-        # Only position ids from the caller can mark packed documents; skipping the check otherwise keeps the
-        # plain forward free of host syncs (and of graph breaks under torch.compile).
-        layout = attention_layout(attention_mask, position_ids, past_length, inputs_embeds.shape[:2], kwargs)
+        static_layer = _filled_static_layer(cache)
+        if static_layer is not None:
+            past_length = static_layer.cumulative_length  # a tensor: a compiled step reads no length on the host
+            layout = _static_cache_layout(attention_mask, static_layer, inputs_embeds.shape[:2])
+        else:
+            past_length = cache.get_seq_length() if cache is not None else 0
+            # Only position ids from the caller can mark packed documents; skipping the check otherwise keeps the
+            # plain forward free of host syncs (and of graph breaks under torch.compile).
+            layout = attention_layout(attention_mask, position_ids, past_length, inputs_embeds.shape[:2], kwargs)
         if position_ids is None:
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_length
             position_ids = position_ids.unsqueeze(0)
@@ -476,6 +498,30 @@ class FoxModel(FoxPreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwargs(cache))
+
+
+def _filled_static_layer(cache):
+    """The first layer of a static FoX cache that holds tokens, else None."""
+    if cache is None or not cache.layers:
+        return None
+    layer = cache.layers[0]
+    return layer if isinstance(layer, FoxStaticCacheLayer) and layer.filled else None
+
+
+def _static_cache_layout(attention_mask, static_layer, batch_and_length):
+    """The layout of a chunk after the prompt in a static cache: each row's masked tokens are the prompt's, kept by
+    the cache, so the step reads no mask (`FoxForCausalLM.create_masks_for_generate` gives it none). A mask given
+    anyway is checked, outside torch.compile, to hide no new token: later chunks of a static cache take no masked
+    tokens."""
+    B, T = batch_and_length
+    if attention_mask is not None and not torch.compiler.is_compiling():
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != B or not bool(attention_mask[:, -T:].all()):
+            raise ValueError(
+                "With a static FoX cache only the prompt may hold masked tokens: after it, give an `attention_mask` "
+                f"(batch={B}, past + new tokens) whose last {T} columns are all 1s, or none; got one of shape "
+                f"{tuple(attention_mask.shape)} that is not."
+            )
+    return FoxAttentionLayout(seq_start=static_layer.seq_start)
 
 
 def attention_layout(attention_mask, position_ids, past_length, batch_and_length, kwargs):
@@ -554,12 +600,12 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def _prepare_static_cache(self, *args, **kwargs):
-        # What generate() calls for cache_implementation="static" (and its compiled variants).
-        raise ValueError(
-            "FoX has no static cache yet: its cache layer keeps the forget gate's running sum, which transformers' "
-            "StaticCache does not hold. Use the default dynamic cache (leave `cache_implementation` unset)."
-        )
+    def create_masks_for_generate(self, config=None, inputs_embeds=None, attention_mask=None, **kwargs):
+        """What generate() calls, with a static cache, instead of building LLaMA's 4-D mask: FoX reads the 2-D mask
+        of the prompt and none afterwards (the static cache keeps each row's padding), so that every decode step
+        has the same input shapes, as CUDA graphs need (a 2-D mask grows by a column per step)."""
+        cache = kwargs.get(CACHE_ARG)
+        return None if _filled_static_layer(cache) is not None else attention_mask
 
     @accepts_legacy_cache_arg
     @can_return_tuple

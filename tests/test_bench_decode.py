@@ -93,10 +93,27 @@ def test_a_row_out_of_memory_is_skipped_and_the_run_goes_on(bench, monkeypatch, 
     assert len(table) == 2 + len(summary) and table[-1].startswith("| 2 | 16 |") and "| skipped |" in table[-1]
 
 
+def test_serving_rows_with_a_static_cache(bench):
+    """FoX and LLaMA under the same static cache; eviction skips reads but frees nothing from fixed buffers."""
+    models = tiny_models()
+    rows = list(bench.measure_serving(models, batches=[2], prompts=[24], new_tokens=3, device="cpu",
+                                      cache_implementation="static"))
+    assert [r["model"] for r in rows] == list(models) and all(r["decode_tokens_per_s"] > 0 for r in rows)
+    assert all(r["cache_implementation"] == "static" and "skipped" not in r for r in rows)
+    by_model = {r["model"]: r for r in rows}
+    assert by_model["fox-fast-heads+eviction"]["cache_bytes"] == by_model["fox-fast-heads"]["cache_bytes"]
+    summary = bench.serving_summary(rows)
+    assert [(s["cache_implementation"], s["batch"], s["prompt"]) for s in summary] == [("static", 2, 24)]
+
+
 def test_serving_options(bench):
     args = bench.parse_args(["--parts", "serving", "--serving-batches", "1,2", "--serving-prompts", "64",
-                             "--new-tokens", "4"])
+                             "--new-tokens", "4", "--cache-implementations", "dynamic,static"])
     assert (args.serving_batches, args.serving_prompts, args.new_tokens) == ([1, 2], [64], 4)
+    assert args.cache_implementations == ["dynamic", "static"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--cache-implementations", "quantized"])
     defaults = bench.parse_args([])
     assert defaults.serving_batches == [1, 8, 32, 64] and defaults.serving_prompts == [4096, 32768]
     assert defaults.parts.split(",") == ["attention", "generate", "eviction"] and defaults.new_tokens == 256
+    assert defaults.cache_implementations == ["dynamic"]

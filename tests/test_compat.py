@@ -67,12 +67,6 @@ def test_what_fox_does_not_compute_is_refused_clearly(make_model, kwargs, messag
         make_model()(torch.randint(3, 97, (1, 4)), **kwargs)
 
 
-def test_static_cache_generation_is_refused_clearly(make_model):
-    with pytest.raises(ValueError, match="no static cache"):
-        make_model().generate(torch.randint(3, 97, (1, 4)), max_new_tokens=2, do_sample=False,
-                              cache_implementation="static", pad_token_id=0)
-
-
 def test_sequence_classification_takes_the_same_arguments(make_config):
     from foxlm import FoxForSequenceClassification
 
@@ -118,7 +112,7 @@ def test_foxlm_code_triggers_no_deprecation_notice():
 
 def test_model_classes_declare_what_transformers_may_not_assume():
     assert not FoxModel._supports_sdpa and not FoxModel._supports_flash_attn and not FoxModel._supports_flex_attn
-    assert not FoxModel._can_compile_fullgraph  # no static cache, so no compiled decoding yet
+    assert FoxModel._can_compile_fullgraph  # with the static cache (tests/test_static_cache.py)
     assert "attentions" not in (FoxModel._can_record_outputs or {})
 
 

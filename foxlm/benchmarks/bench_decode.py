@@ -6,21 +6,24 @@ One run on one GPU, bf16, in parts (`--parts`; the first three by default, servi
   (`enable_gqa`) on the same (B, Hkv, L, D) cache (SDPA without the forget bias: what plain decoding costs).
 - generate: tokens/s of `generate()` (greedy, batch 1, `--new-tokens` (256) new tokens after an 8k or 32k prompt,
   prefill included and reported apart) for a FoxForCausalLM and a LlamaForCausalLM (SDPA, default backend and flash
-  forced) of the same size.
+  forced) of the same size, with each cache of `--cache-implementations` (dynamic; "static": transformers' static
+  cache, with which generate() on CUDA compiles the decode step, CUDA graphs included).
 - eviction: cache memory after a 128k-token prompt and 64 new tokens (bf16), on a FoX model whose KV heads are 70%
   fast forgetting, with and without `decode_kv_eviction`; and whether greedy tokens stay the same (fp32, 16k prompt).
 - serving: batch-serving throughput of greedy `generate()`: decode tokens/s ((new tokens - 1) x batch / decode time,
   the prefill and its first token timed apart) at every batch of `--serving-batches` (1,8,32,64) and prompt of
   `--serving-prompts` (4096,32768 tokens), `--new-tokens` new tokens, for the generate part's FoX and LLaMA (SDPA,
   default backend) and for the eviction part's model with and without `decode_kv_eviction` (the same weights), all
-  with the same (dynamic) cache; peak GPU memory of each row and the bytes its cache holds after generation. A row
+  with the same cache, each of `--cache-implementations` in turn (a static cache cannot free what eviction drops:
+  there eviction only skips reads); peak GPU memory of each row and the bytes its cache holds after generation. A row
   that does not fit in GPU memory is recorded as skipped, with the reason, and the run goes on; the rows run from the
   fewest prompt tokens (batch x prompt) to the most. A table at the end gives FoX / LLaMA and eviction / no eviction.
 Results go to benchmarks/results/decode_<device>_<date-time>.json (written after every part, and after every row of
 the serving part) and are printed.
 
     python benchmarks/bench_decode.py [--parts attention,generate,eviction,serving] [--new-tokens 256]
-        [--serving-batches 1,8,32,64] [--serving-prompts 4096,32768] [--out DIR]
+        [--serving-batches 1,8,32,64] [--serving-prompts 4096,32768] [--cache-implementations dynamic,static]
+        [--out DIR]
 """
 
 import argparse
@@ -28,7 +31,7 @@ import contextlib
 import gc
 import time
 
-from . import comma_integers
+from . import comma_integers, comma_list
 from .run_record import RESULTS_DIR, new_record, record_path, write_record
 
 
@@ -41,8 +44,18 @@ def parse_args(argv=None):
                         help="comma-separated batch sizes (1,8,32,64)")
     parser.add_argument("--serving-prompts", type=comma_integers, default=[4096, 32768],
                         help="comma-separated prompt lengths in tokens (4096,32768)")
+    parser.add_argument("--cache-implementations", type=comma_list, default=["dynamic"],
+                        help="comma-separated generate() caches for the generate and serving parts, of dynamic, "
+                             "static (default: dynamic)")
     parser.add_argument("--out", default=RESULTS_DIR)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = set(args.cache_implementations) - set(CACHE_IMPLEMENTATIONS)
+    if unknown:
+        parser.error(f"--cache-implementations takes {', '.join(CACHE_IMPLEMENTATIONS)}; got {', '.join(unknown)}")
+    return args
+
+
+CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 
 
 if __name__ == "__main__":  # --help and wrong options answer before torch loads; main() parses the options again
@@ -113,20 +126,30 @@ def same_size_models():
     return {"fox": fox, "llama": llama}
 
 
-def bench_generate(results, new_tokens=256):
+def warmup_tokens_for(cache_implementation, new_tokens, dynamic_warmup=17):
+    """New tokens of the warm-up generate() at a shape: with a dynamic cache 17 (cache lengths with and without a
+    factor of 16 run differently specialised decode kernels, so 17 steps compile both); with a static cache the
+    timed run's count, since generate() sizes the cache for the longest run yet, and a longer later run would
+    recompile (and record its CUDA graphs) inside the timed run."""
+    return new_tokens if cache_implementation == "static" else dynamic_warmup
+
+
+def bench_generate(results, new_tokens=256, cache_implementations=("dynamic",)):
     """generate() tokens/s. LLaMA runs twice: with SDPA's default backend choice (what `attn_implementation="sdpa"`
     gives users; on an H100 decoding picks cuDNN) and with SDPA's flash backend forced."""
     rows = results.setdefault("generate", [])
     for name, model in same_size_models().items():
         model = model.to("cuda", torch.bfloat16).eval()
         backends = {"fox": [None], "llama": [None, SDPBackend.FLASH_ATTENTION]}[name]
-        for backend, prompt in ((backend, prompt) for prompt in (8192, 32768) for backend in backends):
+        for cache, backend, prompt in ((cache, backend, prompt) for cache in cache_implementations
+                                       for prompt in (8192, 32768) for backend in backends):
             ids = torch.randint(3, 32000, (1, prompt), device="cuda")
             kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None, pad_token_id=0)
+            if cache != "dynamic":
+                kwargs["cache_implementation"] = cache
             with torch.no_grad(), sdpa_kernel(backend) if backend else contextlib.nullcontext():
-                # Warm up at this prompt length (autotuning; cache lengths with and without a factor of 16 run
-                # differently specialised kernels, so 17 steps compile both before the timed runs).
-                model.generate(ids, max_new_tokens=17, **kwargs)
+                # Warm up at this prompt length (autotuning, compiling).
+                model.generate(ids, max_new_tokens=warmup_tokens_for(cache, new_tokens), **kwargs)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 model.generate(ids, max_new_tokens=1, **kwargs)
@@ -137,7 +160,8 @@ def bench_generate(results, new_tokens=256):
                 torch.cuda.synchronize()
                 total_s = time.perf_counter() - start
             label = name if backend is None else f"{name} (SDPA flash forced)"
-            row = dict(model=label, prompt=prompt, new_tokens=new_tokens, prefill_s=prefill_s, total_s=total_s,
+            row = dict(model=label, cache_implementation=cache, prompt=prompt, new_tokens=new_tokens,
+                       prefill_s=prefill_s, total_s=total_s,
                        tokens_per_s=new_tokens / total_s,
                        decode_tokens_per_s=(new_tokens - 1) / max(total_s - prefill_s, 1e-9))
             rows.append(row)
@@ -246,8 +270,9 @@ def measure_serving(models, batches, prompts, new_tokens, device, cache_implemen
     one shape before the next; a row that runs out of memory comes back with `skipped` (the reason) and no timings."""
     device = torch.device(device)
     cuda = device.type == "cuda"
-    # "dynamic" is generate()'s default; a static cache, once FoX has one, is measured with "static".
+    # "dynamic" is generate()'s default; with "static" generate() on CUDA compiles the decode step.
     cache_kwargs = {} if cache_implementation == "dynamic" else dict(cache_implementation=cache_implementation)
+    warmup_tokens = warmup_tokens_for(cache_implementation, new_tokens, warmup_tokens)
     for batch, prompt in sorted(((b, p) for b in batches for p in prompts), key=lambda bp: (bp[0] * bp[1], bp[0])):
         for label, model in models.items():
             row = dict(model=label, decode_kv_eviction=getattr(model.config, "decode_kv_eviction", False), batch=batch,
@@ -257,8 +282,7 @@ def measure_serving(models, batches, prompts, new_tokens, device, cache_implemen
                 ids = torch.randint(3, model.config.vocab_size, (batch, prompt), device=device,
                                     generator=torch.Generator(device).manual_seed(0))
                 with torch.no_grad():
-                    # Warm-up at this shape: cache lengths with and without a factor of 16 run differently specialised
-                    # decode kernels, so 17 steps compile both before the timed runs.
+                    # Warm-up at this shape (`warmup_tokens_for`).
                     timed_generate(model, ids, max_new_tokens=warmup_tokens, **cache_kwargs)
                     _, prefill_s = timed_generate(model, ids, max_new_tokens=1, **cache_kwargs)
                     if cuda:
@@ -282,13 +306,16 @@ def measure_serving(models, batches, prompts, new_tokens, device, cache_implemen
 
 
 def serving_summary(rows):
-    """Per (batch, prompt): every model's decode tokens/s (None where skipped) and the `SERVING_RATIOS`."""
+    """Per (cache implementation, batch, prompt): every model's decode tokens/s (None where skipped) and the
+    `SERVING_RATIOS`."""
     summary = []
-    for batch, prompt in dict.fromkeys((r["batch"], r["prompt"]) for r in rows):
-        speed = {r["model"]: r.get("decode_tokens_per_s") for r in rows if (r["batch"], r["prompt"]) == (batch, prompt)}
+    shape = lambda r: (r["cache_implementation"], r["batch"], r["prompt"])  # noqa: E731
+    for cache, batch, prompt in dict.fromkeys(map(shape, rows)):
+        speed = {r["model"]: r.get("decode_tokens_per_s") for r in rows if shape(r) == (cache, batch, prompt)}
         ratios = {name: speed[a] / speed[b] if speed.get(a) and speed.get(b) else None
                   for name, (a, b) in SERVING_RATIOS.items()}
-        summary.append(dict(batch=batch, prompt=prompt, decode_tokens_per_s=speed, **ratios))
+        summary.append(dict(batch=batch, prompt=prompt, cache_implementation=cache, decode_tokens_per_s=speed,
+                            **ratios))
     return summary
 
 
@@ -298,17 +325,17 @@ def print_serving_table(summary):
 
     (fox, llama), (evicting, keeping) = SERVING_RATIOS.values()
     print("| batch | prompt | FoX tokens/s | LLaMA tokens/s | FoX / LLaMA | FoX 70% fast heads | with eviction "
-          "| eviction / no eviction |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| eviction / no eviction | cache |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for entry in summary:
         speed = entry["decode_tokens_per_s"]
         print(f"| {entry['batch']} | {entry['prompt']} | {cell(speed.get(fox))} | {cell(speed.get(llama))} "
               f"| {cell(entry['fox_over_llama'], 2)} | {cell(speed.get(keeping))} | {cell(speed.get(evicting))} "
-              f"| {cell(entry['eviction_over_no_eviction'], 2)} |")
+              f"| {cell(entry['eviction_over_no_eviction'], 2)} | {entry['cache_implementation']} |")
 
 
 def bench_serving(results, batches=(1, 8, 32, 64), prompts=(4096, 32768), new_tokens=256,
-                  cache_implementation="dynamic", save=None):
+                  cache_implementations=("dynamic",), save=None):
     """Batch-serving decode throughput and memory (`measure_serving`) of the generate part's FoX and LLaMA and of the
     eviction part's model with and without eviction, bf16; `save()` after every row."""
     models = {label: model.to(torch.bfloat16).eval() for label, model in same_size_models().items()}
@@ -318,12 +345,13 @@ def bench_serving(results, batches=(1, 8, 32, 64), prompts=(4096, 32768), new_to
     gc.collect()
     torch.cuda.empty_cache()
     rows = results.setdefault("serving", [])
-    for row in measure_serving(models, batches, prompts, new_tokens, "cuda", cache_implementation):
-        rows.append(row)
-        print(row, flush=True)
-        results["serving_summary"] = serving_summary(rows)
-        if save:
-            save()
+    for cache_implementation in cache_implementations:
+        for row in measure_serving(models, batches, prompts, new_tokens, "cuda", cache_implementation):
+            rows.append(row)
+            print(row, flush=True)
+            results["serving_summary"] = serving_summary(rows)
+            if save:
+                save()
     print_serving_table(results["serving_summary"])
 
 
@@ -331,10 +359,13 @@ def main():
     args = parse_args()
     results = new_record(peak_bandwidth_bytes_per_s=peak_bandwidth())
     path = record_path(args.out, "decode", results)
-    parts = {"attention": bench_attention, "generate": lambda results: bench_generate(results, args.new_tokens),
+    caches = args.cache_implementations
+    save = lambda: write_record(path, results)  # noqa: E731
+    parts = {"attention": bench_attention,
+             "generate": lambda results: bench_generate(results, args.new_tokens, caches),
              "eviction": bench_eviction,
              "serving": lambda results: bench_serving(results, args.serving_batches, args.serving_prompts,
-                                                      args.new_tokens, save=lambda: write_record(path, results))}
+                                                      args.new_tokens, caches, save=save)}
     for part in args.parts.split(","):
         parts[part](results)
         write_record(path, results)

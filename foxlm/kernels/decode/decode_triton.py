@@ -6,8 +6,14 @@ Design:
   otherwise runs on a handful of SMs and cannot approach HBM bandwidth.
 - GQA: one program owns a KV head and all its query heads (x the new query tokens) as the rows of one tile, so each
   K/V block is read from memory once for the whole group, and `q.k` is one `tl.dot`.
-- The bias `c_q - c_k` is taken from the cache's fp32 running sum, which the cache keeps small by rebasing
-  (subtracting a per-row constant, exact), so the difference of two stored values keeps fp32 precision.
+- The bias `c_q - c_k` is taken from the cache's running sum: fp32 in the dynamic cache, which keeps it small by
+  rebasing (subtracting a per-row constant, exact), so the difference of two stored values keeps fp32 precision;
+  float64 in the static cache, which cannot rebase without a host sync (the difference is rounded to fp32).
+- A static cache passes its filled length as a device tensor (`kv_len`): the grid, split sizes and block sizes
+  follow the buffer's static length, and the programs read the filled length on the device, so a decode step
+  neither syncs nor recompiles as the cache fills; splits past the filled length exit at once.
+- The launch is a custom op with a fake implementation, so torch.compile keeps it in the graph (no graph break) and
+  CUDA graphs capture it.
 - ACP (docs/acp.md): a key is pruned for a query when `c_q - c_k < delta`; a key block pruned for every row
   of the program is skipped before its K/V are loaded, so pruned keys cost 4 bytes of c per query head, not K/V.
 - Scores in the exp2 domain; -inf-safe running max so fully masked rows (left padding, pruned splits) give 0.
@@ -50,7 +56,7 @@ def _attend_block(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_n, offs_d, 
 # from the kernel sources").
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
-    Q, K, V, C, SEQ_START, DELTA, PART_O, PART_LSE,
+    Q, K, V, C, SEQ_START, DELTA, KV_LEN, PART_O, PART_LSE,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -58,9 +64,11 @@ def _decode_split_kernel(
     n_keys, split_size, num_splits, qk_scale,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, TQ: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_SEQ_START: tl.constexpr, USE_ACP: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SEQ_START: tl.constexpr, USE_ACP: tl.constexpr, HAS_KV_LEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     split = tl.program_id(0)
+    if HAS_KV_LEN:  # a static cache: `n_keys` is the buffer's length, the filled part is on the device
+        n_keys = tl.load(KV_LEN).to(tl.int32)
     pid_bh = tl.program_id(1)
     b = (pid_bh // NUM_KV_HEADS).to(tl.int64)
     kv_head = pid_bh % NUM_KV_HEADS
@@ -92,7 +100,7 @@ def _decode_split_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         in_range = row_valid[:, None] & (offs_n[None, :] < hi)
         c_k = tl.load(c_rows[:, None] + offs_n[None, :] * stride_ct, mask=in_range, other=0.0)
-        bias = c_q[:, None] - c_k
+        bias = (c_q[:, None] - c_k).to(tl.float32)  # exact differences of float64 sums, then rounded
         visible = in_range & (offs_n[None, :] <= q_pos[:, None])
         if USE_ACP:
             visible = visible & (bias >= delta[:, None])
@@ -146,18 +154,34 @@ def _num_splits(batch_kv_heads, n_keys, block_n, device):
     return max(1, min(_max_splits(batch_kv_heads, device), triton.cdiv(n_keys, 4 * block_n)))
 
 
-def triton_forgetting_decode(q, k, v, fgate_cumsum, sm_scale, seq_start=None, acp_delta=None, *, block_n=None,
-                             num_splits=None):
+def triton_forgetting_decode(q, k, v, fgate_cumsum, sm_scale, seq_start=None, acp_delta=None, kv_len=None, *,
+                             block_n=None, num_splits=None):
     """Decode attention; arguments as `forgetting_decode` (`decode.py`, validated there).
 
-    q (B, Tq, Hq, D), k/v (B, Tk, Hkv, D) with unit stride along D, fgate_cumsum (B, Tk, Hq) fp32 (any strides:
-    the cache's (B, Hq, Tk) tensor transposed is read in place), acp_delta (B, Hq) fp32 or None.
+    q (B, Tq, Hq, D), k/v (B, Tk, Hkv, D) with unit stride along D, fgate_cumsum (B, Tk, Hq) fp32 or float64 (any
+    strides: the cache's (B, Hq, Tk) tensor transposed is read in place), acp_delta (B, Hq) fp32 or None, kv_len a
+    0-d integer tensor (the filled part of a static cache) or None (all Tk keys). `block_n` / `num_splits` override
+    the launch configuration (tests).
     """
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("the decode kernel needs q, k and v with unit stride along head_dim.")
+    if acp_delta is not None:
+        acp_delta = acp_delta.float().contiguous()
+    seq_start = seq_start.contiguous() if seq_start is not None else None
+    kv_len = kv_len.reshape(1) if kv_len is not None else None
+    return _decode_launch(q, k, v, fgate_cumsum, float(sm_scale), seq_start, acp_delta, kv_len, block_n or 0,
+                      num_splits or 0)
+
+
+@torch.library.custom_op("foxlm::forgetting_decode", mutates_args=())
+def _decode_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, sm_scale: float,
+               seq_start: torch.Tensor | None, acp_delta: torch.Tensor | None, kv_len: torch.Tensor | None,
+               block_n: int, num_splits: int) -> torch.Tensor:
+    """The launch: every host-side choice (splits, block sizes) reads shapes only, never tensor values, so that a
+    captured CUDA graph stays valid as a static cache fills; `block_n` / `num_splits` 0 choose automatically."""
     B, Tq, Hq, D = q.shape
     n_keys, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("the decode kernel needs q, k and v with unit stride along head_dim.")
     interpret = q.device.type != "cuda"
     block_m = max(16, triton.next_power_of_2(group * Tq))
     block_d = max(16, triton.next_power_of_2(D))
@@ -168,21 +192,17 @@ def triton_forgetting_decode(q, k, v, fgate_cumsum, sm_scale, seq_start=None, ac
     part_o = torch.empty(B * Hkv * num_splits * block_m, block_d, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(B * Hkv * num_splits * block_m, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
-    c = fgate_cumsum
-    if acp_delta is not None:
-        acp_delta = acp_delta.float().contiguous()
-    seq_start = seq_start.contiguous() if seq_start is not None else None
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _decode_split_kernel[(num_splits, B * Hkv)](
-        q, k, v, c, seq_start, acp_delta, part_o, part_lse,
+        q, k, v, c, seq_start, acp_delta, kv_len, part_o, part_lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         c.stride(0), c.stride(2), c.stride(1),
         n_keys, split_size, num_splits, sm_scale * LOG2E,
         NUM_KV_HEADS=Hkv, GROUP=group, TQ=Tq, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        HAS_SEQ_START=seq_start is not None, USE_ACP=acp_delta is not None, PRECISION=precision,
-        num_warps=4, num_stages=3,
+        HAS_SEQ_START=seq_start is not None, USE_ACP=acp_delta is not None, HAS_KV_LEN=kv_len is not None,
+        PRECISION=precision, num_warps=4, num_stages=3,
     )
     _decode_combine_kernel[(B * Hkv, group * Tq)](
         part_o, part_lse, out, out.stride(0), out.stride(1), out.stride(2), num_splits,
@@ -191,3 +211,8 @@ def triton_forgetting_decode(q, k, v, fgate_cumsum, sm_scale, seq_start=None, ac
         BLOCK_S=max(2, triton.next_power_of_2(max(num_splits, _max_splits(B * Hkv, q.device)))), num_warps=4,
     )
     return out
+
+
+@_decode_launch.register_fake
+def _(q, k, v, c, sm_scale, seq_start, acp_delta, kv_len, block_n, num_splits):
+    return torch.empty_like(q)

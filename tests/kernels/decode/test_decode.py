@@ -114,3 +114,26 @@ def test_nan_propagates_on_the_reference_as_in_the_kernel_and_padding_rows_stay_
     kernel = triton_forgetting_decode(q, k, v, c, 0.25, seq_start, None)
     assert reference.isnan().any() and torch.equal(reference.isnan(), kernel.isnan())
     assert torch.all(reference[1, 0] == 0) and torch.all(kernel[1, 0] == 0)
+
+
+@pytest.mark.parametrize("Tq", [1, 3])
+def test_static_cache_buffers_are_read_up_to_kv_len_only(Tq):
+    # The static cache: buffers longer than the filled part, whose tail holds stale values, and a float64 running sum.
+    B, Tk, Hq, Hkv, D, capacity = 2, 37, 4, 2, 16, 80
+    q, k, v, c = make_cache(B, Tq, Tk, Hq, Hkv, D)
+    seq_start = torch.tensor([0, 9], device=DEVICE)
+    ref = naive_decode(q, k, v, c, seq_start=seq_start)
+
+    def buffer(t, width):
+        stale = torch.full((B, capacity - Tk, *t.shape[2:]), 1e4, device=DEVICE, dtype=width)
+        return torch.cat([t.to(width), stale], dim=1)
+
+    k_buf, v_buf, c_buf = buffer(k, k.dtype), buffer(v, v.dtype), buffer(c, torch.float64)
+    kv_len = torch.tensor(Tk, device=DEVICE)
+    for num_splits in (1, 4):  # 4: the last splits lie wholly past the filled length
+        out = triton_forgetting_decode(q, k_buf, v_buf, c_buf, D**-0.5, seq_start, kv_len=kv_len, num_splits=num_splits)
+        assert rel_error(out, ref) < 1e-5
+    out = forgetting_decode(q, k_buf, v_buf, c_buf, seq_start=seq_start, kv_len=kv_len, backend="reference")
+    assert rel_error(out, ref) < 1e-5
+    with pytest.raises(ValueError, match="kv_len"):
+        forgetting_decode(q, k_buf, v_buf, c_buf, kv_len=Tk)

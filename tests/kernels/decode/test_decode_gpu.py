@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from transformers import CompileConfig
 
 from foxlm.kernels.acp import acp_threshold
 from foxlm.kernels.decode import forgetting_decode
@@ -42,3 +43,36 @@ def test_generate_on_gpu_equals_uncached_argmax(make_model):
     for _ in range(8):
         ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
     assert torch.equal(out, ids)
+
+
+def test_static_cache_length_on_gpu_matches_float64():
+    B, Tk, capacity = 3, 3001, 4096
+    q, k, v, c = make_cache(B, 1, Tk, 16, 4, 64, dtype=torch.bfloat16, gate_bias=5.0)
+    seq_start = torch.tensor([0, 777, 10], device="cuda")
+
+    def pad(t, dtype):  # a static cache's buffer: stale values past the filled length
+        return torch.cat([t.to(dtype), torch.full((B, capacity - Tk, *t.shape[2:]), 1e4, device="cuda", dtype=dtype)],
+                         dim=1)
+
+    out = forgetting_decode(q, pad(k, k.dtype), pad(v, v.dtype), pad(c, torch.float64), seq_start=seq_start,
+                            kv_len=torch.tensor(Tk, device="cuda"))
+    assert rel_error(out, naive_decode(q, k, v, c, seq_start=seq_start)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(acp_eps=1e-4, qk_norm=False), dict(decode_kv_eviction=True)])
+def test_compiled_static_generate_equals_eager_generate_on_gpu(make_model, overrides):
+    """generate()'s own compile path on CUDA (reduce-overhead: CUDA graphs), one graph compiled once, the Triton
+    decode kernel inside, against the eager dynamic cache: the same greedy tokens in fp32."""
+    model = make_model(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                       **overrides).cuda()
+    ids = torch.randint(3, 97, (2, 300), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0  # left padding
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    eager = model.generate(ids, **kwargs)
+    static = dict(cache_implementation="static", compile_config=CompileConfig(fullgraph=True))  # reduce-overhead
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = model.generate(ids, **static, **kwargs)
+        again = model.generate(ids, **static, **kwargs)  # a new cache: the same graph
+    assert torch.equal(compiled, eager) and torch.equal(again, eager)

@@ -1,0 +1,134 @@
+"""The static FoX cache (`cache_implementation="static"`): the same tokens and the same state as the dynamic cache,
+and a decode step that torch.compile traces as one graph, compiled once for every step."""
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache, pipeline
+
+from foxlm import FoxStaticCacheLayer
+from foxlm.compat import CACHE_ARG
+from tests.conftest import byte_tokenizer
+
+GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+VARIANTS = {
+    "pro": {},  # token shift, QK-norm, output norm and gate, GQA 4/2
+    "plain": dict(use_k_shift=False, use_v_shift=False, qk_norm=False, use_output_norm=False,
+                  use_output_gate=False, num_key_value_heads=4),
+    "acp": dict(acp_eps=1e-4),
+    "acp_without_qk_norm": dict(acp_eps=1e-4, qk_norm=False),  # the cache tracks key norms
+    "eviction": dict(decode_kv_eviction=True),
+}
+
+
+def left_padded_batch(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.randint(3, 97, (len(lengths), T), generator=g)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        mask[b, T - n :] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_static_cache_generates_what_the_dynamic_cache_generates(make_model, variant):
+    model = make_model(**VARIANTS[variant])
+    ids, mask = left_padded_batch([9, 4, 7])
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, **GREEDY)
+    static = model.generate(ids, cache_implementation="static", return_dict_in_generate=True, **kwargs)
+    assert all(isinstance(layer, FoxStaticCacheLayer) for layer in getattr(static, CACHE_ARG).layers)
+    assert torch.equal(static.sequences, model.generate(ids, **kwargs))
+
+
+def test_text_generation_pipeline_gives_the_same_text_with_either_cache(make_model):
+    tokenizer = byte_tokenizer()
+    tokenizer.pad_token, tokenizer.padding_side = tokenizer.eos_token, "left"
+    model = make_model(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    kwargs = dict(batch_size=2, max_new_tokens=6, do_sample=False, return_full_text=False)
+    prompts = ["def f(x):", "a"]
+    assert generator(prompts, cache_implementation="static", **kwargs) == generator(prompts, **kwargs)
+
+
+@pytest.mark.parametrize("variant", ["pro", "acp_without_qk_norm"])
+def test_static_state_equals_the_dynamic_state(make_model, variant):
+    model = make_model(**VARIANTS[variant])
+    ids, mask = left_padded_batch([8, 5])
+    ids = torch.cat([ids, torch.randint(3, 97, (2, 5))], dim=1)
+    mask = torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype)], dim=1)
+    dynamic, static = DynamicCache(config=model.config), StaticCache(config=model.config, max_cache_len=20)
+    for cache in (dynamic, static):
+        for start, stop in ((0, 8), (8, 9), (9, 12), (12, 13)):  # the prompt, then decode steps of 1 and 3 tokens
+            model(ids[:, start:stop], attention_mask=mask[:, :stop], cache=cache, use_cache=True)
+    assert int(static.get_seq_length()) == dynamic.get_seq_length() == 13
+    # Equal up to rounding: the static cache's float64 running sum rounds the attention's bias differently, which
+    # reaches the next layer's keys.
+    for d, s in zip(dynamic.layers, static.layers):
+        torch.testing.assert_close(s.keys[..., :13, :], d.keys, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(s.values[..., :13, :], d.values, rtol=1e-5, atol=1e-6)
+        assert s.fgate_cumsum.dtype == torch.float64
+        torch.testing.assert_close(s.fgate_cumsum[..., :13].float(), d.fgate_cumsum, rtol=1e-6, atol=1e-6)
+        assert not s.fgate_cumsum[..., 13:].any()
+        if s.shift_keys is not None:
+            torch.testing.assert_close(s.shift_keys, d.shift_keys, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(s.shift_values, d.shift_values, rtol=1e-5, atol=1e-6)
+        if d.key_norm_max is not None:
+            torch.testing.assert_close(s.key_norm_max, d.key_norm_max)
+        assert torch.equal(s.seq_start, torch.tensor([0, 3]))
+
+
+def test_static_cache_refuses_what_it_cannot_hold(make_model):
+    model = make_model()
+    cache = StaticCache(config=model.config, max_cache_len=6)
+    with pytest.raises(ValueError, match="max_cache_len=6"):
+        model(torch.randint(3, 97, (1, 7)), cache=cache, use_cache=True)
+    ids, mask = left_padded_batch([5, 3])
+    model(ids, attention_mask=mask, cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="only the prompt may hold masked tokens"):
+        model(ids[:, :1], attention_mask=torch.cat([mask, torch.zeros(2, 1, dtype=mask.dtype)], 1), cache=cache)
+    with pytest.raises(NotImplementedError, match="token shift"):
+        cache.crop(-1)
+
+
+def test_crop_and_beam_search_on_a_static_cache_without_token_shift(make_model):
+    model = make_model(**VARIANTS["plain"])
+    ids = torch.randint(3, 97, (2, 10))
+    kwargs = dict(max_new_tokens=5, num_beams=3, num_return_sequences=2, **GREEDY)
+    assert torch.equal(model.generate(ids, cache_implementation="static", **kwargs), model.generate(ids, **kwargs))
+    cache = StaticCache(config=model.config, max_cache_len=12)
+    model(ids[:, :6], cache=cache, use_cache=True)
+    model(ids[:, 6:9], cache=cache, use_cache=True)
+    cache.crop(-2)
+    logits = model(ids[:, 7:], cache=cache, use_cache=True).logits
+    torch.testing.assert_close(logits, model(ids).logits[:, 7:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])  # triton: the decode kernel in Triton's interpreter
+def test_compiled_decoding_is_one_graph_compiled_once(make_model, backend):
+    """generate()'s compile path (what it does on CUDA, here on the CPU): every decode step runs one full graph,
+    compiled once, and gives the eager dynamic cache's tokens."""
+    from torch._dynamo.backends.registry import lookup_backend
+    from transformers import CompileConfig
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    model = make_model(acp_eps=1e-4, attention_backend=backend)
+    ids, mask = left_padded_batch([9, 6])
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, **GREEDY)
+    graphs = []
+
+    # Counts compiles; aot_eager traces and functionalizes as inductor does, quickly.
+    def counting_backend(graph, example_inputs):
+        graphs.append(graph)
+        return lookup_backend("aot_eager")(graph, example_inputs)
+
+    config = CompileConfig(backend=counting_backend, fullgraph=True, mode=None)
+    config._compile_all_devices = True  # generate() compiles on CUDA only by default
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = model.generate(ids, cache_implementation="static", compile_config=config, **kwargs)
+    assert len(graphs) == 1
+    # The Triton launch is one op of the graph; the reference is plain torch ops.
+    assert ("foxlm.forgetting_decode" in graphs[0].code) == (backend == "triton")
+    assert torch.equal(compiled, model.generate(ids, **kwargs))
