@@ -108,10 +108,53 @@ def run_case(case, group):
             "size": size}
 
 
-def error_of(build, group):
+def trainer_case(output_dir):
+    """ContextParallelTrainer over both processes (one context-parallel group) against the same SGD steps in one
+    process, on the same packed batches in the same order."""
+    from torch.utils.data import SequentialSampler
+    from transformers import DataCollatorWithFlattening, TrainingArguments
+
+    from foxlm.training import ContextParallelTrainer
+
+    class InOrder(ContextParallelTrainer):  # batch i on process i % 2: the group trains batches 0, 1, 2, ... in turn
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    generator = torch.Generator().manual_seed(1)
+    examples = [{"input_ids": torch.randint(3, 97, (n,), generator=generator).tolist()} for n in (7, 12, 9, 14, 8, 11)]
+    collator = DataCollatorWithFlattening()
+    steps, lr = 3, 0.5
+    model = tiny_model()
+    reference = copy.deepcopy(model).train()
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=lr)  # noqa: E731  linear in the gradient: exact comparison
+    optimizer = sgd(reference)
+    reference_losses = []
+    for step in range(steps):
+        loss = reference(**collator(examples[2 * step: 2 * step + 2]), use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_losses.append(loss.item())
+
+    optimizer = sgd(model)
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2, max_steps=steps, logging_steps=1,
+                             max_grad_norm=0.0, report_to=[], use_cpu=True, save_strategy="no", seed=0)
+    trainer = InOrder(model=model, args=args, train_dataset=examples, data_collator=collator,
+                      optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)),
+                      context_parallel_size=2)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    reference_params = dict(reference.named_parameters())
+    return {"losses": losses, "reference_losses": reference_losses, "batches_per_epoch": len(
+        trainer.get_train_dataloader()), "params": max(max_diff(p.detach(), reference_params[name].detach())
+                                                       for name, p in model.named_parameters()),
+            "eval_error": error_of(lambda _: trainer.get_eval_dataloader(), None, NotImplementedError)}
+
+
+def error_of(build, group, kind=ValueError):
     try:
         build(group)
-    except ValueError as error:
+    except kind as error:
         return str(error)
     return None
 
@@ -129,6 +172,7 @@ def main(result_path):
         "cache": error_of(lambda g: tiny_model().enable_context_parallel(g)(
             input_ids=torch.ones(1, 4, dtype=torch.long), use_cache=True), group),
     }
+    results["trainer"] = trainer_case(sys.argv[2])
     if dist.get_rank() == 0:
         with open(result_path, "w") as f:
             json.dump(results, f, indent=1)

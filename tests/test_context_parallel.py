@@ -20,7 +20,8 @@ def results(tmp_path_factory):
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "tests" / "context_parallel_worker.py"), str(tmp_path / "result.json")],
+                           str(ROOT / "tests" / "context_parallel_worker.py"), str(tmp_path / "result.json"),
+                           str(tmp_path / "trainer")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return json.loads((tmp_path / "result.json").read_text())
@@ -43,3 +44,14 @@ def test_unsupported_settings_fail_with_the_numbers(results):
     assert "num_attention_heads (3)" in errors["heads"] and "group size (2)" in errors["heads"]
     assert "padding mask" in errors["padding_mask"]
     assert "use_cache=False" in errors["cache"]
+
+
+def test_trainer_with_context_parallelism_trains_like_one_process(results):
+    result = results["trainer"]
+    # Three SGD steps on packed batches of two documents (odd lengths: padded), DDP over the two processes.
+    assert len(result["losses"]) == 3
+    assert max(abs(a - b) for a, b in zip(result["losses"], result["reference_losses"])) < 1e-5
+    assert result["params"] < 1e-5
+    # 3 batches, evened out by accelerate to 2 per process; the group trains each process's batches in turn.
+    assert result["batches_per_epoch"] == 4
+    assert "does not evaluate" in result["eval_error"]
