@@ -243,7 +243,8 @@ def main(args):
     if cuda:
         torch.cuda.set_device(device)
     group = dist.group.WORLD
-    waits = dist.new_group(backend="gloo")  # the idle ranks wait here while rank 0 trains alone: no NCCL timeout
+    # The idle ranks wait here while rank 0 trains alone: on the CPU, without the NCCL timeout.
+    waits = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=1))
     deadline = time.monotonic() + 60 * args.budget_minutes  # the sweeps share what the numerics leave
     stream = ByteStream(max(args.max_context, args.numerics_context) + 1)
     out = args.out or os.environ.get("OUT") or RESULTS_DIR

@@ -10,4 +10,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast here
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Each context is a new kernel shape: the first launch configuration of each list, not an autotuning per shape.
+export FOXLM_AUTOTUNE=${FOXLM_AUTOTUNE:-0}
 python -m torch.distributed.run --standalone --nproc_per_node "${NGPUS:-2}" benchmarks/context_parallel_training.py "$@"

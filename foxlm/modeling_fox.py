@@ -683,6 +683,10 @@ class FoxForSequenceClassification(GenericForSequenceClassification, FoxPreTrain
         self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
         self.post_init()
 
+    def enable_context_parallel(self, group):
+        raise ValueError("FoxForSequenceClassification pools each row's last token, which only the last rank of a "
+                         "context-parallel group holds: context parallelism is for FoxForCausalLM and FoxModel.")
+
 
 __all__ = [
     "FoxForCausalLM",

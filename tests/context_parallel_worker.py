@@ -13,8 +13,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from conftest import tiny_model
+from conftest import tiny_config, tiny_model
 
+from foxlm import FoxForSequenceClassification
 from foxlm.compat import enable_activation_checkpointing
 from foxlm.context_parallel import shard_batch, token_count
 
@@ -169,6 +170,8 @@ def main(result_path):
                           group),
         "padding_mask": error_of(lambda g: tiny_model().enable_context_parallel(g)(
             input_ids=torch.ones(1, 4, dtype=torch.long), attention_mask=torch.tensor([[0, 1, 1, 1]])), group),
+        "classification": error_of(lambda g: FoxForSequenceClassification(tiny_config()).enable_context_parallel(g),
+                                   group),
         "cache": error_of(lambda g: tiny_model().enable_context_parallel(g)(
             input_ids=torch.ones(1, 4, dtype=torch.long), use_cache=True), group),
     }

@@ -44,6 +44,7 @@ def test_unsupported_settings_fail_with_the_numbers(results):
     assert "num_attention_heads (3)" in errors["heads"] and "group size (2)" in errors["heads"]
     assert "padding mask" in errors["padding_mask"]
     assert "use_cache=False" in errors["cache"]
+    assert "FoxForCausalLM" in errors["classification"]
 
 
 def test_trainer_with_context_parallelism_trains_like_one_process(results):
