@@ -58,6 +58,8 @@ def cache_kwargs(cache):
 # what FoX does with each. Any other keyword is a TypeError: a renamed argument must fail, not be dropped.
 PASSTHROUGH_KWARGS = {
     "num_items_in_batch": "Trainer's token count of the accumulated batch; divides the summed loss",
+    "shift_labels": "labels already shifted (context-parallel slices, foxlm.context_parallel.shard_batch); the loss "
+                    "reads them instead of shifting `labels`",
     "output_hidden_states": "read by transformers' output capturing",
     "output_attentions": "read by transformers' output capturing; FoX computes no attention weights (True raises)",
     "cu_seq_lens_q": "packed-document boundaries (DataCollatorWithFlattening)",

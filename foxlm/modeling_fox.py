@@ -6,6 +6,7 @@ The attention is LLaMA's with one addition, a forget gate per head: `log f_t = l
 position embedding. FoX (Pro) adds QK-norm, an output norm and gate, and a token shift of keys and values.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .cache_fox import FOX_CACHE_LAYERS, FoxStaticCacheLayer
 from .compat import CACHE_ARG, accepts_legacy_cache_arg, cache_kwargs, check_forward_kwargs
 from .configuration_fox import FoxConfig
+from .context_parallel import ContextParallel
 from .kernels.acp import DEFAULT_PRUNE_EPS, acp_threshold, cached_score_bound, qk_norm_score_bound
 from .kernels.attention.attention import forgetting_attention, packed_sequence_lengths
 from .kernels.decode.decode import MAX_DECODE_QUERIES, forgetting_decode
@@ -135,6 +137,8 @@ class FoxAttentionLayout:
             chunk already has it (no mask, or left padding).
         cu_seqlens: (N + 1,) int32 boundaries of packed documents over the flattened (B * T) tokens.
         doc_start: (B, T) bool, True where a packed document begins (the token shift restarts there).
+        context_parallel: with context parallelism, the group's `ContextParallel`: then T is this rank's slice,
+            `doc_start` covers the slice and `cu_seqlens` the whole sequence (what the attention sees).
     """
 
     seq_start: torch.Tensor | None = None
@@ -143,6 +147,7 @@ class FoxAttentionLayout:
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int | None = None
     doc_start: torch.Tensor | None = None
+    context_parallel: ContextParallel | None = None
 
 
 class FoxAttention(nn.Module):
@@ -199,7 +204,12 @@ class FoxAttention(nn.Module):
 
         Returns (shifted, raw): masked tokens take the previous token's raw value, so that the first real token of a
         row shifts in the token before the chunk, and the last raw value is the next chunk's shift state."""
-        previous = cache_layer.shift_state(name, raw) if cache_layer is not None else torch.zeros_like(raw[:, :1])
+        if cache_layer is not None:
+            previous = cache_layer.shift_state(name, raw)
+        elif layout.context_parallel is not None:  # the last token of the previous rank's slice
+            previous = layout.context_parallel.previous_token(raw[:, -1:])
+        else:
+            previous = torch.zeros_like(raw[:, :1])
         if layout.token_mask is not None:
             raw = torch.where(layout.token_mask[:, :, None, None], raw, previous)
         shifted = token_shift(raw, shift_proj(hidden_states), previous, layout.doc_start,
@@ -277,6 +287,18 @@ class FoxAttention(nn.Module):
         return dict(prune_eps=self.config.acp_eps,
                     score_bound=self._acp_bound(q, None) if self.config.qk_norm else None)
 
+    def _attention(self, q, k, v, log_fgate, layout, pruning):
+        """Attention without a cache, over the whole sequence in q, k, v (B, T, heads, D) and log f (B, T, heads):
+        packed documents as one row of B * T tokens."""
+        kwargs = dict(sm_scale=self.scaling, backend=self.config.attention_backend, **pruning)
+        if layout.cu_seqlens is None:
+            return forgetting_attention(q, k, v, log_fgate, seq_start=layout.seq_start, **kwargs)
+        flat = lambda t: t.reshape(1, -1, *t.shape[2:])  # noqa: E731
+        if kwargs.get("score_bound") is not None:  # per (row, head): the one packed row takes the largest
+            kwargs["score_bound"] = kwargs["score_bound"].amax(0, keepdim=True)
+        return forgetting_attention(flat(q), flat(k), flat(v), flat(log_fgate), cu_seqlens=layout.cu_seqlens,
+                                    max_seqlen=layout.max_seqlen, **kwargs).view(q.shape)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -329,18 +351,16 @@ class FoxAttention(nn.Module):
         # Under autocast, fp32 RoPE tables promote q and k to fp32; v keeps the compute dtype.
         q, k = q.to(v.dtype), k.to(v.dtype)
 
-        attention_kwargs = dict(sm_scale=self.scaling, backend=backend)
         if cache_layer is not None:
             out = self._cached_attention(q, k, v, log_fgate, raw_k, raw_v, cache_layer, layout)
-        elif layout.cu_seqlens is not None:
-            flat = lambda t: t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
-            out = forgetting_attention(
-                flat(q), flat(k), flat(v), flat(log_fgate), cu_seqlens=layout.cu_seqlens,
-                max_seqlen=layout.max_seqlen, **attention_kwargs, **self._pruning_kwargs(flat(q)),
-            ).view(B, T, self.num_heads, self.head_dim)
+        elif layout.context_parallel is not None:
+            cp = layout.context_parallel
+            pruning = self._pruning_kwargs(q)  # U per head from the QK-norm scales: before the heads are split
+            if pruning.get("score_bound") is not None:
+                pruning["score_bound"] = cp.local_heads(pruning["score_bound"])
+            out = cp.to_sequence(self._attention(*cp.attention_inputs(q, k, v, log_fgate), layout, pruning))
         else:
-            out = forgetting_attention(q, k, v, log_fgate, seq_start=layout.seq_start, **attention_kwargs,
-                                       **self._pruning_kwargs(q))
+            out = self._attention(q, k, v, log_fgate, layout, self._pruning_kwargs(q))
 
         gate_logits = self.ogate_proj(hidden_states) if self.ogate_proj is not None else None
         if self.output_norm is not None:
@@ -426,6 +446,23 @@ class FoxPreTrainedModel(PreTrainedModel):
         if kwargs.get("is_main_process", True):
             write_remote_code(save_directory)
 
+    def enable_context_parallel(self, group):
+        """Context (sequence) parallelism over the ranks of `group`, the Ulysses scheme (docs/context-parallel.md):
+        from now on each rank's forward takes its slice of every sequence (`foxlm.context_parallel.shard_batch`
+        makes it) and the attention layers exchange heads over the group. Query heads, and key/value heads (or the
+        group size, which then replicates them), must divide by the group size. Sets `config.use_cache = False`: a
+        context-parallel forward keeps no cache. Returns the model."""
+        config = self.config
+        self.base_model.context_parallel = ContextParallel(group, config.num_attention_heads,
+                                                           config.num_key_value_heads)
+        config.use_cache = False
+        return self
+
+    def disable_context_parallel(self):
+        """Back to whole sequences on each process (`config.use_cache` stays as it is)."""
+        self.base_model.context_parallel = None
+        return self
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -451,6 +488,7 @@ class FoxModel(FoxPreTrainedModel):
         # FoX needs no position embedding; RoPE is an option (and what a LLaMA kept with --keep-rope uses).
         self.rotary_emb = LlamaRotaryEmbedding(config=config) if config.use_rope else None
         self.gradient_checkpointing = False
+        self.context_parallel = None  # a ContextParallel once enable_context_parallel is called
         self.post_init()
 
     @accepts_legacy_cache_arg
@@ -474,7 +512,13 @@ class FoxModel(FoxPreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         static_layer = _filled_static_layer(cache)
-        if static_layer is not None:
+        if self.context_parallel is not None:
+            if cache is not None or use_cache:
+                raise ValueError("A context-parallel FoX runs whole sequences without a cache: pass use_cache=False "
+                                 "and no `cache` (enable_context_parallel sets config.use_cache=False).")
+            layout, position_ids = context_parallel_layout(self.context_parallel, attention_mask, position_ids,
+                                                           inputs_embeds, kwargs)
+        elif static_layer is not None:
             past_length = static_layer.cumulative_length  # a tensor: a compiled step reads no length on the host
             layout = _static_cache_layout(attention_mask, static_layer, inputs_embeds.shape[:2])
         else:
@@ -482,7 +526,7 @@ class FoxModel(FoxPreTrainedModel):
             # Only position ids from the caller can mark packed documents; skipping the check otherwise keeps the
             # plain forward free of host syncs (and of graph breaks under torch.compile).
             layout = attention_layout(attention_mask, position_ids, past_length, inputs_embeds.shape[:2], kwargs)
-        if position_ids is None:
+        if position_ids is None:  # context parallelism has given each rank its positions
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_length
             position_ids = position_ids.unsqueeze(0)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
@@ -578,6 +622,25 @@ def attention_layout(attention_mask, position_ids, past_length, batch_and_length
     return FoxAttentionLayout(cu_seqlens=cu_seqlens, max_seqlen=max(lengths), doc_start=doc_start)
 
 
+def context_parallel_layout(cp, attention_mask, position_ids, inputs_embeds, kwargs):
+    """The layout of the whole sequence for a rank that holds a slice (B, T / P) of it (`ContextParallel` cp), and
+    the slice's position ids: the slices' masks and position ids are gathered, `cu_seq_lens_*` describe the whole
+    sequence already. The attention reads the whole sequence's documents, the token shift the slice's starts."""
+    B, T_local = inputs_embeds.shape[:2]
+    whole_mask = None if attention_mask is None else cp.gather_sequence(attention_mask)
+    whole_positions = None if position_ids is None else cp.gather_sequence(position_ids.expand(B, -1))
+    layout = attention_layout(whole_mask, whole_positions, 0, (B, T_local * cp.size), kwargs)
+    if layout.seq_start is not None:
+        raise ValueError("Context parallelism takes no padding mask (an `attention_mask` with 0s): pack documents "
+                         "(`position_ids` restarting at 0, as DataCollatorWithFlattening makes them) and give padding "
+                         "the label -100 instead (foxlm.context_parallel.shard_batch pads that way).")
+    if position_ids is None:
+        position_ids = torch.arange(T_local, device=inputs_embeds.device) + cp.rank * T_local
+        position_ids = position_ids.unsqueeze(0)
+    doc_start = None if layout.doc_start is None else cp.local_tokens(layout.doc_start)
+    return dataclasses.replace(layout, doc_start=doc_start, context_parallel=cp), position_ids
+
+
 def _masked_layout(mask, chunk, chunk_all_real, chunk_left_padded):
     """The layout of a mask with 0s: (B, past + T) and its last T columns, `chunk`."""
     seq_start = (~mask).sum(-1)
@@ -625,6 +688,7 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Token ids for the language-modeling loss (shifted inside, -100 ignored); with `num_items_in_batch`
             (given by `Trainer`) the loss is a sum divided by that count, right under gradient accumulation.
+            `shift_labels` (a keyword, already shifted: a context-parallel slice from `shard_batch`) replace them.
         logits_to_keep (`int` or `torch.Tensor`):
             Compute logits only for the last `logits_to_keep` positions (an int; 0 keeps all) or for the given
             sequence indices (a 1-D tensor).
@@ -644,7 +708,7 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden_states[:, keep, :])
 
         loss = None
-        if labels is not None:
+        if labels is not None or kwargs.get("shift_labels") is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss,
@@ -663,6 +727,10 @@ class FoxForSequenceClassification(GenericForSequenceClassification, FoxPreTrain
         self.model = FoxModel(config)
         self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
         self.post_init()
+
+    def enable_context_parallel(self, group):
+        raise ValueError("FoxForSequenceClassification pools each row's last token, which only the last rank of a "
+                         "context-parallel group holds: context parallelism is for FoxForCausalLM and FoxModel.")
 
 
 __all__ = [

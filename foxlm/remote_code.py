@@ -18,6 +18,7 @@ REMOTE_CODE_MODULES = (
     "modeling_fox.py",
     "cache_fox.py",
     "compat.py",
+    "context_parallel.py",
     "kernels/common.py",
     "kernels/dispatch.py",
     "kernels/acp.py",

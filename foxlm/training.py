@@ -1,12 +1,16 @@
-"""Fine-tuning helpers: the recommended LoRA setup for FoX models, optimizer parameter groups, and a step and
-wall-clock budget for `Trainer` runs."""
+"""Fine-tuning helpers: the recommended LoRA setup for FoX models, optimizer parameter groups, a step and
+wall-clock budget for `Trainer` runs, and `Trainer` with context parallelism."""
 
 import math
 import time
 
+import torch
+import torch.distributed as dist
 from peft import LoraConfig
 from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
-from transformers import TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from .context_parallel import shard_batch
 
 # LLaMA's projections: LoRA adapts these. Registered for model_type "fox", so that
 # `get_peft_model(model, LoraConfig(...))` without `target_modules` picks the same projections.
@@ -99,3 +103,67 @@ class TrainingBudget(TrainerCallback):
         if self.max_minutes and self.minutes() >= self.max_minutes and state.global_step < self.max_steps:
             self.stopped_by_time = True
             control.should_training_stop = True
+
+
+class ContextParallelBatches:
+    """A training dataloader for context parallelism: each rank's dataloader gives it its own batches (data
+    parallelism over all ranks, as `Trainer` and accelerate shard them); per batch, the ranks of a context-parallel
+    group exchange theirs and then all train on each of them in turn, every rank on its slice (`shard_batch`). The
+    adapter drops and repeats no batch, and an epoch has `group size` times as many steps. Batches go over the group
+    on the CPU (a few integers per token)."""
+
+    def __init__(self, dataloader, group, pad_token_id=0):
+        self.dataloader, self.group, self.pad_token_id = dataloader, group, pad_token_id
+
+    def __len__(self):
+        return len(self.dataloader) * dist.get_world_size(self.group)
+
+    def __iter__(self):
+        for batch in self.dataloader:
+            device = next(v.device for v in batch.values() if isinstance(v, torch.Tensor))
+            batches = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(batches, {k: v.cpu() if isinstance(v, torch.Tensor) else v
+                                             for k, v in batch.items()}, group=self.group)
+            for whole in batches:
+                local = shard_batch(whole, self.group, self.pad_token_id)
+                yield {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in local.items()}
+
+    def __getattr__(self, name):  # set_epoch, sampler, ... of the wrapped dataloader
+        return getattr(self.dataloader, name)
+
+
+class ContextParallelTrainer(Trainer):
+    """`Trainer` with FoX context parallelism over groups of `context_parallel_size` consecutive ranks (a
+    (data, context) DeviceMesh over all processes): `Trainer(..., context_parallel_size=2)` under `torchrun` or
+    `accelerate launch`. The model (FoX, or PEFT around it) is switched with `enable_context_parallel`; training
+    batches come through `ContextParallelBatches`. DDP or FSDP2 keep working over all processes: with
+    `average_tokens_across_devices` (the default) Trainer divides every rank's summed loss by the token count of all
+    ranks and scales it by their number, so that averaging the gradients over all ranks gives the gradient of the
+    whole batch's loss (docs/context-parallel.md). accelerate's own `ParallelismConfig(sp_size/cp_size)` runs
+    DeepSpeed's Ulysses or PyTorch's ring attention over SDPA, neither of which takes FoX's attention.
+
+    Evaluation inside Trainer is not supported (its loop gathers logits and averages per-rank mean losses); it
+    raises rather than evaluate whole sequences as slices."""
+
+    def __init__(self, *args, context_parallel_size, **kwargs):
+        super().__init__(*args, **kwargs)
+        world = self.args.world_size
+        if context_parallel_size < 1 or world % context_parallel_size:
+            raise ValueError(f"context_parallel_size ({context_parallel_size}) must divide the number of processes "
+                             f"({world}).")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(self.args.device.type, (world // context_parallel_size, context_parallel_size),
+                                mesh_dim_names=("dp", "cp"))
+        self.context_parallel_group = mesh["cp"].get_group()
+        self.model.enable_context_parallel(self.context_parallel_group)
+
+    def get_train_dataloader(self):
+        pad = getattr(self.model.config, "pad_token_id", None) or 0
+        return ContextParallelBatches(super().get_train_dataloader(), self.context_parallel_group, pad)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        raise NotImplementedError(
+            "ContextParallelTrainer does not evaluate: Trainer's evaluation averages per-rank losses and gathers "
+            "logits, which are slices here. Evaluate the model with foxlm.context_parallel.shard_batch, or on one "
+            "process after disable_context_parallel().")

@@ -1,0 +1,58 @@
+"""Context parallelism (foxlm/context_parallel.py) on two CPU processes over gloo: tests/context_parallel_worker.py
+runs every case once under torchrun; each test reads its part of the result."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from context_parallel_worker import CASES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("context_parallel")
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(ROOT / "tests" / "context_parallel_worker.py"), str(tmp_path / "result.json"),
+                           str(tmp_path / "trainer")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_ranks_give_one_process_outputs_loss_and_gradients(results, case):
+    result = results[case]
+    assert result["size"] == 2 and result["slice_tokens"] == 12  # 23 tokens padded to 24
+    assert result["logits"] < 1e-5 and result["loss"] < 1e-5
+    # Every parameter and the input embeddings, summed over the ranks.
+    assert result["parameters"] > 20 and not result["grad_presence_differs"]
+    assert result["grad"] < 1e-5 and result["grad_scale"] > 1e-2
+    # Each rank alone (no exchange) sees only its slice: far off.
+    assert result["logits_without_exchange"] > 1e-2
+
+
+def test_unsupported_settings_fail_with_the_numbers(results):
+    errors = results["errors"]
+    assert "num_attention_heads (3)" in errors["heads"] and "group size (2)" in errors["heads"]
+    assert "padding mask" in errors["padding_mask"]
+    assert "use_cache=False" in errors["cache"]
+    assert "FoxForCausalLM" in errors["classification"]
+
+
+def test_trainer_with_context_parallelism_trains_like_one_process(results):
+    result = results["trainer"]
+    # Three SGD steps on packed batches of two documents (odd lengths: padded), DDP over the two processes.
+    assert len(result["losses"]) == 3
+    assert max(abs(a - b) for a, b in zip(result["losses"], result["reference_losses"])) < 1e-5
+    assert result["params"] < 1e-5
+    # 3 batches, evened out by accelerate to 2 per process; the group trains each process's batches in turn.
+    assert result["batches_per_epoch"] == 4
+    assert "does not evaluate" in result["eval_error"]
