@@ -16,9 +16,9 @@ class FoxCacheLayer(DynamicLayer):
       at any length (|c| ~ 1e5 at 128k tokens of strong decay would leave ~0.01 of error in every bias).
     - `key_norm_max` (B, kv_heads) fp32: the largest cached key norm, kept for decode-time ACP without QK-norm.
     - `shift_keys` / `shift_values` (B, 1, kv_heads, head_dim), only for models with a K/V shift: the raw (pre-shift)
-      projections of the last token, the previous token of the next chunk's token shift. Once `activate_past_recording()` was
-      called (assisted decoding), the raw projections are kept for every later token so that `crop` can roll the
-      shift state back.
+      projections of the last token, the previous token of the next chunk's token shift. Once
+      `activate_past_recording()` was called (assisted decoding), the raw projections are kept for every later token
+      so that `crop` can roll the shift state back.
 
     With KV eviction (`FoxConfig.decode_kv_eviction`) the cache is stored per KV head instead: `head_keys[h]` /
     `head_values[h]` (B, 1, T_h, head_dim) and `head_fgate_cumsum[h]` (B, group, T_h) hold the last T_h tokens, the
