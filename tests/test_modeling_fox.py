@@ -210,3 +210,16 @@ def test_torch_compile_captures_the_training_forward_in_one_graph(make_model):
     loss.backward()
     torch.testing.assert_close(loss, model(ids, labels=ids, use_cache=False).loss)
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_models_of_different_head_dims_compile_one_after_the_other():
+    """torch.compile makes a float that differs between compiles of the same code symbolic (automatic dynamic):
+    the second model's attention scale then reaches the kernel wrapper as a symbol, which must not break the graph."""
+    torch._dynamo.reset()
+    for head_dim in (16, 8):
+        torch.manual_seed(0)
+        model = FoxForCausalLM(FoxConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim)).train()
+        ids = torch.randint(0, 64, (1, 12))
+        loss = torch.compile(model, fullgraph=True, backend="eager")(ids, labels=ids, use_cache=False).loss
+        assert torch.allclose(loss, model(ids, labels=ids, use_cache=False).loss)

@@ -193,7 +193,8 @@ def forgetting_attention(
     if prune_eps is not None and not 0 < prune_eps < 1:
         raise ValueError(f"`prune_eps` must be in (0, 1) or None, got {prune_eps}.")
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    if not math.isfinite(sm_scale):
+    # Checked eagerly only: torch.compile makes a float that varied between compiles symbolic, which math cannot read.
+    if not torch.compiler.is_compiling() and not math.isfinite(sm_scale):
         raise ValueError(f"`sm_scale` must be a finite number, got {sm_scale}.")
     prune = on_triton and prune_eps is not None
     if prune:
