@@ -31,7 +31,7 @@ LORA_LR, FULL_LR = 3e-3, 3e-4  # benchmarks/NOTES_finetune.md: how they were cho
 MACHINE_DEFAULTS = {
     "context": (16384, 512), "steps": (300, 12), "tokens_per_step": (65536, 1024), "eval_length": (32768, 1024),
     "eval_docs": (16, 6), "transfer_steps": (400, 4), "transfer_batch_size": (8, 2), "transfer_length": (2048, 256),
-    "teacher_samples": (2**21, 1024), "sample_length": (1024, 64), "sample_batch_size": (512, 8),
+    "teacher_samples": (2**21, 1024), "sample_length": (1024, 64), "sample_batch_size": (1024, 8),
 }
 SAMPLES_FILE = "teacher_samples.npz"
 
