@@ -31,6 +31,12 @@ SOURCES = {
     ],
     "decode_attention": ("decode_NVIDIA_H100_80GB_HBM3_2026-11-22.json", "python benchmarks/bench_decode.py"),
     "decode": ("decode_NVIDIA_H100_80GB_HBM3_2026-11-23.json", "python benchmarks/bench_decode.py"),
+    "static_generate": ("decode_NVIDIA_H100_80GB_HBM3_20261126-1658.json",
+                        "FOXLM_AUTOTUNE=0 python benchmarks/bench_decode.py --parts generate --cache-implementations "
+                        "dynamic,static --new-tokens 128"),
+    "serving": ("decode_NVIDIA_H100_80GB_HBM3_20261126-1734.json",
+                "FOXLM_AUTOTUNE=0 python benchmarks/bench_decode.py --parts serving --serving-batches 32 "
+                "--serving-prompts 8192 --new-tokens 128 --cache-implementations static"),
     "layer_ops": ("layer_ops_NVIDIA_H100_80GB_HBM3_20261123-0922.json", "python benchmarks/bench_layer_ops.py"),
     "fsdp": [
         ("fsdp_scaling_760m_b8_NVIDIA_H200_20261124-0146.json", "bash benchmarks/run_fsdp_scaling.sh"),
@@ -268,7 +274,38 @@ def decode_section():
         f"eviction, {with_eviction['cache_gbytes']:.2f} GB with it "
         f"(−{record['eviction_memory_reduction_pct']:.0f}%).",
     ]
-    return "\n\n".join(parts)
+    return "\n\n".join(parts + static_cache_parts())
+
+
+def static_cache_parts():
+    name, command = SOURCES["static_generate"]
+    record = load(name)
+    rate = {(row["model"], row["cache_implementation"], row["prompt"]): row["decode_tokens_per_s"]
+            for row in record["generate"]}
+    rows = []
+    for prompt in sorted({key[2] for key in rate}):
+        fox, fox_static, llama_static = (rate[(model, cache, prompt)] for model, cache in
+                                         (("fox", "dynamic"), ("fox", "static"), ("llama", "static")))
+        rows.append([f"{prompt // 1024}k", f"{fox:.1f}", f"{fox_static:.1f}", f"{fox_static / fox:.2f}×",
+                     f"{rate[('llama', 'dynamic', prompt)]:.1f}", f"{llama_static:.1f}",
+                     f"{fox_static / llama_static:.2f}×"])
+    parts = ["`generate()` with the static cache (`cache_implementation=\"static\"`: transformers compiles the decode "
+             "step, CUDA graphs) against the dynamic cache, same models as above, greedy, batch 1, 128 new tokens; "
+             "decode tokens/s without the prefill. " + provenance(record, name, command),
+             table(["prompt", "FoX dynamic", "FoX static", "static / dynamic", "LLaMA dynamic (SDPA default)",
+                    "LLaMA static", "FoX / LLaMA, static"], rows)]
+    name, command = SOURCES["serving"]
+    record = load(name)
+    rows = [[row["batch"], f"{row['prompt'] // 1024}k"]
+            + [f"{row['decode_tokens_per_s'][model]:,.0f}" for model in
+               ("fox", "llama", "fox-fast-heads", "fox-fast-heads+eviction")]
+            + [f"{row['fox_over_llama']:.2f}×"] for row in record["serving_summary"]]
+    parts += ["Batch serving with the static cache, decode tokens/s of the whole batch, the same ~1B models; the "
+              "fast-heads FoX has 70% of its heads forgetting fast (same weights with and without eviction; with a "
+              "static cache eviction frees no memory, the pruned keys are skipped as ACP skips them). "
+              + provenance(record, name, command),
+              table(["batch", "prompt", "FoX", "LLaMA", "FoX, 70% fast heads", "with eviction", "FoX / LLaMA"], rows)]
+    return parts
 
 
 def layer_ops_section():
@@ -374,6 +411,7 @@ def render():
 def cited_files():
     """Every result file the document is made from."""
     names = [SOURCES["attention"][0], SOURCES["decode_attention"][0], SOURCES["decode"][0], SOURCES["layer_ops"][0],
+             SOURCES["static_generate"][0], SOURCES["serving"][0],
              SOURCES["gate_init"], SOURCES["finetune"][0], *SOURCES["transfer"], *TRAINING]
     names += [name for name, _ in SOURCES["acp"] + SOURCES["fsdp"]]
     return [ROOT / name if "/" in name else RESULTS / name for name in names]
