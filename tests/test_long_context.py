@@ -39,7 +39,7 @@ from foxlm.evaluation import (
     write_evaluation_report,
     write_per_token_loss_report,
 )
-from foxlm.training import TrainingBudget, fox_lora_config, optimizer_param_groups
+from foxlm.training import ATTENTION_PROJECTIONS, TrainingBudget, fox_lora_config, optimizer_param_groups
 
 
 def test_split_hashes_paths_relative_to_the_corpus_root_so_it_is_the_same_on_every_python(tmp_path):
@@ -122,6 +122,14 @@ def test_lora_setup_trains_adapters_and_fox_modules_only_and_round_trips(make_mo
     torch.testing.assert_close(reloaded(ids).logits, expected)
     merged = reloaded.merge_and_unload()
     torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_on_the_attention_projections_only_leaves_the_mlps_frozen(make_model):
+    base = make_model()
+    peft_model = get_peft_model(base, fox_lora_config(base, r=4, target_modules=ATTENTION_PROJECTIONS))
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in peft_model.named_parameters() if "lora_" in n}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert not any(p.requires_grad for n, p in peft_model.named_parameters() if ".mlp." in n)
 
 
 def test_optimizer_groups_exempt_biases_norms_and_gate_biases(make_model):
