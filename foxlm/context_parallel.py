@@ -47,6 +47,17 @@ def all_to_all(x, group, output_splits=None, input_splits=None):
     return _AllToAll.apply(x, list(output_splits), list(input_splits), group)
 
 
+def check_head_split(num_heads, num_kv_heads, size):
+    """Raise a ValueError naming the numbers unless a group of `size` ranks can split the heads: query heads
+    divisible by it, key/value heads divisible by it or dividing it."""
+    if num_heads % size:
+        raise ValueError(f"context parallelism splits the attention heads over the group: num_attention_heads "
+                         f"({num_heads}) must be divisible by the group size ({size}).")
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(f"num_key_value_heads ({num_kv_heads}) must be divisible by the context-parallel group "
+                         f"size ({size}), or divide it (then each kv head is replicated).")
+
+
 class ContextParallel:
     """The communication of one context-parallel group for a model's attention layers.
 
@@ -64,12 +75,7 @@ class ContextParallel:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        if num_heads % self.size:
-            raise ValueError(f"context parallelism splits the attention heads over the group: num_attention_heads "
-                             f"({num_heads}) must be divisible by the group size ({self.size}).")
-        if num_kv_heads % self.size and self.size % num_kv_heads:
-            raise ValueError(f"num_key_value_heads ({num_kv_heads}) must be divisible by the context-parallel group "
-                             f"size ({self.size}), or divide it (then each kv head is replicated).")
+        check_head_split(num_heads, num_kv_heads, self.size)
         # Fewer kv heads than ranks: repeat each so that rank r's query heads find their kv head on rank r.
         self.kv_repeats = max(1, self.size // num_kv_heads)
 

