@@ -29,14 +29,32 @@ SOURCES = {
          "FOXLM_AUTOTUNE=0 python benchmarks/bench_attention.py --acp-only"),
         ("attention_acp_NVIDIA_H200_20261124-0840.json", "python benchmarks/bench_attention.py --acp-only"),
     ],
-    "decode_attention": ("decode_NVIDIA_H100_80GB_HBM3_2026-11-22.json", "python benchmarks/bench_decode.py"),
+    # (file, command, the head dim whose rows it gives: each was measured with that head dim's launch defaults)
+    "decode_attention": [
+        ("decode_NVIDIA_H100_80GB_HBM3_20261127-0021.json",
+         "FOXLM_AUTOTUNE=0 python benchmarks/bench_decode.py --parts attention", 64),
+        ("decode_NVIDIA_H100_80GB_HBM3_20261127-0008.json",
+         "FOXLM_AUTOTUNE=0 python benchmarks/bench_decode.py --parts attention,serving --serving-batches 8,32,64 "
+         "--serving-prompts 32768 --new-tokens 128 --cache-implementations static", 128),
+    ],
     "decode": ("decode_NVIDIA_H100_80GB_HBM3_2026-11-23.json", "python benchmarks/bench_decode.py"),
     "static_generate": ("decode_NVIDIA_H100_80GB_HBM3_20261126-1658.json",
                         "FOXLM_AUTOTUNE=0 python benchmarks/bench_decode.py --parts generate --cache-implementations "
                         "dynamic,static --new-tokens 128"),
-    "serving": ("decode_NVIDIA_H100_80GB_HBM3_20261126-1734.json",
-                "FOXLM_AUTOTUNE=0 python benchmarks/bench_decode.py --parts serving --serving-batches 32 "
-                "--serving-prompts 8192 --new-tokens 128 --cache-implementations static"),
+    "serving": [
+        ("decode_NVIDIA_H100_80GB_HBM3_20261127-0010.json",
+         "FOXLM_AUTOTUNE=0 python benchmarks/bench_decode.py --parts serving --serving-batches 1,8,32,64 "
+         "--serving-prompts 4096 --new-tokens 128 --cache-implementations static"),
+        ("decode_NVIDIA_H100_80GB_HBM3_20261126-1734.json",
+         "FOXLM_AUTOTUNE=0 python benchmarks/bench_decode.py --parts serving --serving-batches 32 "
+         "--serving-prompts 8192 --new-tokens 128 --cache-implementations static"),
+        ("decode_NVIDIA_H100_80GB_HBM3_20261127-0008.json",
+         "FOXLM_AUTOTUNE=0 python benchmarks/bench_decode.py --parts attention,serving --serving-batches 8,32,64 "
+         "--serving-prompts 32768 --new-tokens 128 --cache-implementations static"),
+        ("decode_NVIDIA_H100_80GB_HBM3_20261127-0022.json",
+         "FOXLM_AUTOTUNE=0 python benchmarks/bench_decode.py --parts serving --serving-batches 16 "
+         "--serving-prompts 32768 --new-tokens 128 --cache-implementations static"),
+    ],
     "layer_ops": ("layer_ops_NVIDIA_H100_80GB_HBM3_20261123-0922.json", "python benchmarks/bench_layer_ops.py"),
     "fsdp": [
         ("fsdp_scaling_760m_b8_NVIDIA_H200_20261124-0146.json", "bash benchmarks/run_fsdp_scaling.sh"),
@@ -244,17 +262,23 @@ def training_section():
 
 
 def decode_section():
-    name, command = SOURCES["decode_attention"]
-    record = load(name)
-    rows = [[row["D"], f"{row['L'] // 1024}k", row["B"], f"{row['fox_pct_peak']:.0f}%", f"{row['sdpa_pct_peak']:.0f}%"]
-            for row in record["attention"]]
+    rows, sources = [], []
+    for name, command, head_dim in SOURCES["decode_attention"]:
+        record = load(name)
+        rows += [[row["D"], f"{row['L'] // 1024}k", row["B"], f"{row['fox_pct_peak']:.0f}%",
+                  f"{row['sdpa_pct_peak']:.0f}%", f"{row['fox_gbps'] / row['sdpa_gbps']:.2f}"]
+                 for row in record["attention"] if row["D"] == head_dim]
+        sources.append(f"Head dim {head_dim}: " + provenance(record, name, command))
     parts = ["## Decoding",
              "Decode attention: one new token, 32 query / 8 KV heads, bf16; bytes of K and V read per second as a "
              "share of the HBM peak (H100 SXM: 3.35 TB/s), against SDPA on the same cache without the forget bias. "
-             + provenance(record, name, command),
-             table(["head dim", "cached tokens", "batch", "foxlm", "SDPA"], rows),
-             "(The run below measured decode attention too, on an intermediate build that did not specialise the "
-             "kernel on the cache length; its rows are left out.)"]
+             "Each head dim from the run with its current launch configuration; both runs shared their host with "
+             "training on its other GPUs, which the launch-bound rows (batch 1, 4k) feel most "
+             "(benchmarks/NOTES_attention.md, \"Decode launch configuration\").",
+             table(["head dim", "cached tokens", "batch", "foxlm", "SDPA", "foxlm / SDPA"], rows),
+             "\n".join(sources),
+             "(The 2026-11-23 run below measured decode attention too, on an intermediate build that did not "
+             "specialise the kernel on the cache length; its rows are left out.)"]
     name, command = SOURCES["decode"]
     record = load(name)
     generate = {(row["model"], row["prompt"]): row for row in record["generate"]}
@@ -294,17 +318,30 @@ def static_cache_parts():
              "decode tokens/s without the prefill. " + provenance(record, name, command),
              table(["prompt", "FoX dynamic", "FoX static", "static / dynamic", "LLaMA dynamic (SDPA default)",
                     "LLaMA static", "FoX / LLaMA, static"], rows)]
-    name, command = SOURCES["serving"]
-    record = load(name)
-    rows = [[row["batch"], f"{row['prompt'] // 1024}k"]
-            + [f"{row['decode_tokens_per_s'][model]:,.0f}" for model in
-               ("fox", "llama", "fox-fast-heads", "fox-fast-heads+eviction")]
-            + [f"{row['fox_over_llama']:.2f}×"] for row in record["serving_summary"]]
+    models = ("fox", "llama", "fox-fast-heads", "fox-fast-heads+eviction")
+    rows, sources = [], []
+    for name, command in SOURCES["serving"]:
+        record = load(name)
+        peak = {(row["model"], row["batch"], row["prompt"]): row.get("peak_memory_bytes") for row in record["serving"]}
+        for row in record["serving_summary"]:
+            rate = row["decode_tokens_per_s"]
+            cells = [f"{rate[model]:,.0f}" if rate.get(model) else "out of memory" for model in models]
+            gib = [peak.get((model, row["batch"], row["prompt"])) for model in ("fox", "llama")]
+            rows.append([row["batch"], f"{row['prompt'] // 1024}k", *cells,
+                         f"{row['fox_over_llama']:.2f}×" if row["fox_over_llama"] else "–",
+                         f"{rate['fox-fast-heads+eviction'] / rate['llama']:.2f}×"
+                         if rate.get("fox-fast-heads+eviction") and rate.get("llama") else "–",
+                         " / ".join(f"{value / 2**30:.0f}" if value else "–" for value in gib)])
+        sources.append(provenance(record, name, command))
+    rows.sort(key=lambda row: (int(row[1][:-1]), row[0]))
     parts += ["Batch serving with the static cache, decode tokens/s of the whole batch, the same ~1B models; the "
-              "fast-heads FoX has 70% of its heads forgetting fast (same weights with and without eviction; with a "
-              "static cache eviction frees no memory, the pruned keys are skipped as ACP skips them). "
-              + provenance(record, name, command),
-              table(["batch", "prompt", "FoX", "LLaMA", "FoX, 70% fast heads", "with eviction", "FoX / LLaMA"], rows)]
+              "fast-heads FoX (head dim 128) has 70% of its heads forgetting fast (same weights with and without "
+              "eviction; with a static cache eviction frees no memory, the pruned keys are skipped as ACP skips "
+              "them). Peak memory holds the weights of all four models. Batch 32 and 64 at 32k did not fit in the "
+              "H100's 80 GB (batch 64 was not tried after batch 32 failed).",
+              table(["batch", "prompt", "FoX", "LLaMA", "FoX, 70% fast heads", "with eviction", "FoX / LLaMA",
+                     "fast heads with eviction / LLaMA", "peak GiB FoX / LLaMA"], rows),
+              "\n".join(sources)]
     return parts
 
 
@@ -410,8 +447,8 @@ def render():
 
 def cited_files():
     """Every result file the document is made from."""
-    names = [SOURCES["attention"][0], SOURCES["decode_attention"][0], SOURCES["decode"][0], SOURCES["layer_ops"][0],
-             SOURCES["static_generate"][0], SOURCES["serving"][0],
+    names = [SOURCES["attention"][0], SOURCES["decode"][0], SOURCES["layer_ops"][0], SOURCES["static_generate"][0],
+             *(source[0] for source in SOURCES["decode_attention"] + SOURCES["serving"]),
              SOURCES["gate_init"], SOURCES["finetune"][0], *SOURCES["transfer"], *TRAINING]
     names += [name for name, _ in SOURCES["acp"] + SOURCES["fsdp"]]
     return [ROOT / name if "/" in name else RESULTS / name for name in names]

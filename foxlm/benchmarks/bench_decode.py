@@ -4,6 +4,10 @@ One run on one GPU, bf16, in parts (`--parts`; the first three by default, servi
 - attention: one new token against a cache of L keys, batch B, 32 query / 8 KV heads, D = 64 and 128. Achieved HBM
   bandwidth = bytes of K and V read (2 * B * L * Hkv * D * 2) / time, for our kernel and for PyTorch SDPA
   (`enable_gqa`) on the same (B, Hkv, L, D) cache (SDPA without the forget bias: what plain decoding costs).
+- launch: the decode kernel's launch configurations (keys per block, warps, pipeline stages, the default number of
+  splits or twice it) at D = 64 and 128, L = 32k and 128k, B = 8 and 32, as bandwidth against SDPA on the same cache,
+  each output checked against the default configuration's; on request only, what `_decode_launch`'s defaults come
+  from.
 - generate: tokens/s of `generate()` (greedy, batch 1, `--new-tokens` (256) new tokens after an 8k or 32k prompt,
   prefill included and reported apart) for a FoxForCausalLM and a LlamaForCausalLM (SDPA, default backend and flash
   forced) of the same size, with each cache of `--cache-implementations` (dynamic; "static": transformers' static
@@ -21,7 +25,7 @@ One run on one GPU, bf16, in parts (`--parts`; the first three by default, servi
 Results go to benchmarks/results/decode_<device>_<date-time>.json (written after every part, and after every row of
 the serving part) and are printed.
 
-    python benchmarks/bench_decode.py [--parts attention,generate,eviction,serving] [--new-tokens 256]
+    python benchmarks/bench_decode.py [--parts attention,launch,generate,eviction,serving] [--new-tokens 256]
         [--serving-batches 1,8,32,64] [--serving-prompts 4096,32768] [--cache-implementations dynamic,static]
         [--out DIR]
 """
@@ -29,6 +33,7 @@ the serving part) and are printed.
 import argparse
 import contextlib
 import gc
+import itertools
 import time
 
 from . import comma_integers, comma_list
@@ -38,7 +43,8 @@ from .run_record import RESULTS_DIR, new_record, record_path, write_record
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="attention,generate,eviction",
-                        help="comma-separated, of attention, generate, eviction, serving (default: %(default)s)")
+                        help="comma-separated, of attention, launch, generate, eviction, serving "
+                             "(default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per generate() (generate, serving)")
     parser.add_argument("--serving-batches", type=comma_integers, default=[1, 8, 32, 64],
                         help="comma-separated batch sizes (1,8,32,64)")
@@ -73,6 +79,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from foxlm import FoxConfig, FoxForCausalLM  # noqa: E402
 from foxlm.compat import CACHE_ARG  # noqa: E402
 from foxlm.kernels.decode import forgetting_decode  # noqa: E402
+from foxlm.kernels.decode.decode_triton import _num_splits, triton_forgetting_decode  # noqa: E402
 
 PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s, SXM parts
 
@@ -80,6 +87,39 @@ PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s, SXM parts
 def peak_bandwidth():
     name = torch.cuda.get_device_name()
     return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
+
+
+def decode_inputs(B, L, D, Hq, Hkv):
+    """q (B, 1, Hq, D), k and v (B, Hkv, L, D) bf16, gate sums c (B, Hq, L) fp32, random, on the GPU."""
+    k = torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16)
+    c = torch.randn(B, Hq, L, device="cuda").cumsum(-1) * 1e-3
+    return torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16), k, torch.randn_like(k), c
+
+
+def bench_launch(results, Hq=32, Hkv=8):
+    """Every launch configuration of the decode kernel at the goal's shapes, as bandwidth against SDPA's."""
+    rows = results.setdefault("launch", [])
+    for D, L, B in itertools.product((64, 128), (32768, 131072), (8, 32)):
+        kv_bytes = 2 * B * L * Hkv * D * 2
+        q, k, v, c = decode_inputs(B, L, D, Hq, Hkv)
+        args = (q, k.transpose(1, 2), v.transpose(1, 2), c.transpose(1, 2), D**-0.5)
+        default = triton_forgetting_decode(*args)
+        ms = triton.testing.do_bench(lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k, v, enable_gqa=True),
+                                     warmup=5, rep=40, return_mode="median")
+        row = dict(D=D, L=L, B=B, sdpa_gbps=kv_bytes / ms / 1e6, configs=[])
+        for block_n, num_warps, num_stages, split_factor in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4),
+                                                                             (1, 2)):
+            config = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                          num_splits=split_factor * _num_splits(B * Hkv, L, block_n, q.device))
+            error = (triton_forgetting_decode(*args, **config).float() - default.float()).abs().max().item()
+            ms = triton.testing.do_bench(lambda: triton_forgetting_decode(*args, **config), warmup=5, rep=40,
+                                         return_mode="median")
+            row["configs"].append(dict(config, gbps=kv_bytes / ms / 1e6, max_abs_diff_from_default=error))
+        best = max(row["configs"], key=lambda config: config["gbps"])
+        print(f"D={D} L={L} B={B}: SDPA {row['sdpa_gbps']:.0f} GB/s, best {best}", flush=True)
+        rows.append(row)
+        q = k = v = c = default = None  # freed before the next shape's cache (a `del` would confuse linters)
+        torch.cuda.empty_cache()
 
 
 def bench_attention(results):
@@ -92,10 +132,7 @@ def bench_attention(results):
                 kv_bytes = 2 * B * L * Hkv * D * 2
                 if kv_bytes > 24e9:
                     continue
-                k = torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16)
-                v = torch.randn_like(k)
-                c = torch.randn(B, Hq, L, device="cuda").cumsum(-1) * 1e-3
-                q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
+                q, k, v, c = decode_inputs(B, L, D, Hq, Hkv)
 
                 def fox():
                     return forgetting_decode(q, k.transpose(1, 2), v.transpose(1, 2), c.transpose(1, 2))
@@ -111,7 +148,7 @@ def bench_attention(results):
                     row[f"{name}_pct_peak"] = 100 * kv_bytes / (ms * 1e-3) / peak if peak else None
                 rows.append(row)
                 print({key: round(val, 1) if isinstance(val, float) else val for key, val in row.items()}, flush=True)
-                del k, v, c, q
+                q = k = v = c = None
                 torch.cuda.empty_cache()
 
 
@@ -299,6 +336,8 @@ def measure_serving(models, batches, prompts, new_tokens, device, cache_implemen
             except torch.OutOfMemoryError as error:
                 row["skipped"] = f"out of memory: {str(error).splitlines()[0]}"
             ids = None
+            if cache_kwargs:  # each shape compiles anew: drop the last one's graphs and CUDA-graph memory pools
+                torch.compiler.reset()
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
@@ -362,6 +401,7 @@ def main():
     caches = args.cache_implementations
     save = lambda: write_record(path, results)  # noqa: E731
     parts = {"attention": bench_attention,
+             "launch": bench_launch,
              "generate": lambda results: bench_generate(results, args.new_tokens, caches),
              "eviction": bench_eviction,
              "serving": lambda results: bench_serving(results, args.serving_batches, args.serving_prompts,

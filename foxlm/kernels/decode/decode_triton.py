@@ -155,13 +155,13 @@ def _num_splits(batch_kv_heads, n_keys, block_n, device):
 
 
 def triton_forgetting_decode(q, k, v, fgate_cumsum, sm_scale, seq_start=None, acp_delta=None, kv_len=None, *,
-                             block_n=None, num_splits=None):
+                             block_n=None, num_splits=None, num_warps=None, num_stages=None):
     """Decode attention; arguments as `forgetting_decode` (`decode.py`, validated there).
 
     q (B, Tq, Hq, D), k/v (B, Tk, Hkv, D) with unit stride along D, fgate_cumsum (B, Tk, Hq) fp32 or float64 (any
     strides: the cache's (B, Hq, Tk) tensor transposed is read in place), acp_delta (B, Hq) fp32 or None, kv_len a
-    0-d integer tensor (the filled part of a static cache) or None (all Tk keys). `block_n` / `num_splits` override
-    the launch configuration (tests).
+    0-d integer tensor (the filled part of a static cache) or None (all Tk keys). `block_n`, `num_splits`,
+    `num_warps` and `num_stages` override the launch configuration (tests, configuration sweeps).
     """
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("the decode kernel needs q, k and v with unit stride along head_dim.")
@@ -170,15 +170,16 @@ def triton_forgetting_decode(q, k, v, fgate_cumsum, sm_scale, seq_start=None, ac
     seq_start = seq_start.contiguous() if seq_start is not None else None
     kv_len = kv_len.reshape(1) if kv_len is not None else None
     return _decode_launch(q, k, v, fgate_cumsum, float(sm_scale), seq_start, acp_delta, kv_len, block_n or 0,
-                      num_splits or 0)
+                          num_splits or 0, num_warps or 0, num_stages or 0)
 
 
 @torch.library.custom_op("foxlm::forgetting_decode", mutates_args=())
 def _decode_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, sm_scale: float,
                seq_start: torch.Tensor | None, acp_delta: torch.Tensor | None, kv_len: torch.Tensor | None,
-               block_n: int, num_splits: int) -> torch.Tensor:
+               block_n: int, num_splits: int, num_warps: int, num_stages: int) -> torch.Tensor:
     """The launch: every host-side choice (splits, block sizes) reads shapes only, never tensor values, so that a
-    captured CUDA graph stays valid as a static cache fills; `block_n` / `num_splits` 0 choose automatically."""
+    captured CUDA graph stays valid as a static cache fills; a 0 for `block_n`, `num_splits`, `num_warps` or
+    `num_stages` chooses automatically."""
     B, Tq, Hq, D = q.shape
     n_keys, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -186,6 +187,10 @@ def _decode_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: torch.T
     block_m = max(16, triton.next_power_of_2(group * Tq))
     block_d = max(16, triton.next_power_of_2(D))
     block_n = block_n or (16 if interpret else 64)
+    # Head dim 64 streams best with two warps and two stages, larger head dims with four and three (`bench_decode.py
+    # --parts launch`; benchmarks/NOTES_attention.md, "Decode launch configuration").
+    num_warps = num_warps or (2 if block_d <= 64 else 4)
+    num_stages = num_stages or (2 if block_d <= 64 else 3)
     num_splits = num_splits or _num_splits(B * Hkv, n_keys, block_n, q.device)
     split_size = triton.cdiv(triton.cdiv(n_keys, num_splits), block_n) * block_n
     num_splits = triton.cdiv(n_keys, split_size)
@@ -202,7 +207,7 @@ def _decode_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: torch.T
         n_keys, split_size, num_splits, sm_scale * LOG2E,
         NUM_KV_HEADS=Hkv, GROUP=group, TQ=Tq, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_SEQ_START=seq_start is not None, USE_ACP=acp_delta is not None, HAS_KV_LEN=kv_len is not None,
-        PRECISION=precision, num_warps=4, num_stages=3,
+        PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
     )
     _decode_combine_kernel[(B * Hkv, group * Tq)](
         part_o, part_lse, out, out.stride(0), out.stride(1), out.stride(2), num_splits,
@@ -214,5 +219,5 @@ def _decode_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: torch.T
 
 
 @_decode_launch.register_fake
-def _(q, k, v, c, sm_scale, seq_start, acp_delta, kv_len, block_n, num_splits):
+def _(q, k, v, c, sm_scale, seq_start, acp_delta, kv_len, block_n, num_splits, num_warps, num_stages):
     return torch.empty_like(q)
