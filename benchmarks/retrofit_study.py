@@ -27,6 +27,8 @@ RECIPES = {
     "full": ["--full"],
     "no-samples": ["--teacher-samples", "0"],
     "attention-lora": ["--lora-modules", "attention"],
+    "samples-4m": ["--teacher-samples", str(2**22)],
+    "full-samples-4m": ["--full", "--teacher-samples", str(2**22)],
 }
 
 
@@ -111,7 +113,9 @@ def main():
     finetune.load_documents = cached_documents()
     finetune.teacher_samples = cached_samples()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    path = Path(args.results) / f"retrofit_study_{device.replace(' ', '_')}_{time.strftime('%Y%m%d-%H%M')}.json"
+    # The recipes in the name: studies started in the same minute (one per GPU) keep their own files.
+    path = Path(args.results) / (f"retrofit_study_{device.replace(' ', '_')}_{time.strftime('%Y%m%d-%H%M')}_"
+                                 f"{'+'.join(recipes)}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     runs = {}
     for name in recipes:
