@@ -290,7 +290,8 @@ class FoxStaticCacheLayer(StaticLayer):
         self.filled = False
 
     def _allocate(self, key_states, value_states, log_fgate, raw_keys, track_key_norm):
-        super().lazy_initialization(key_states, value_states)
+        if not self.is_initialized:  # generate()'s chunked prefill allocates keys and values ahead
+            super().lazy_initialization(key_states, value_states)
         B, heads = log_fgate.shape[:2]
         self.fgate_cumsum = log_fgate.new_zeros(B, heads, self.max_cache_len, dtype=torch.float64)
         buffers = [self.fgate_cumsum]
@@ -332,7 +333,7 @@ class FoxStaticCacheLayer(StaticLayer):
             if T > self.max_cache_len:
                 raise ValueError(f"A prompt of {T} tokens does not fit a static cache of max_cache_len="
                                  f"{self.max_cache_len}.")
-            if not self.is_initialized:
+            if self.fgate_cumsum is None:
                 self._allocate(key_states, value_states, log_fgate, raw_keys, track_key_norm)
             self.seq_start = None if seq_start is None else seq_start.clone()
         chunk = log_fgate.double().cumsum(-1)

@@ -668,7 +668,19 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         of the prompt and none afterwards (the static cache keeps each row's padding), so that every decode step
         has the same input shapes, as CUDA graphs need (a 2-D mask grows by a column per step)."""
         cache = kwargs.get(CACHE_ARG)
-        return None if _filled_static_layer(cache) is not None else attention_mask
+        if _filled_static_layer(cache) is None:
+            return attention_mask
+        # A later chunk of a chunked prefill (`prefill_chunk_size`): checked here, eagerly, since generate() may run
+        # the forward compiled. Decode steps (one token) are not checked: they add no padding.
+        chunk = inputs_embeds.shape[1] if inputs_embeds is not None else 1
+        if chunk > 1 and attention_mask is not None and not bool(attention_mask[:, -chunk:].all()):
+            padding = int((attention_mask == 0).sum(-1).max())
+            raise ValueError(
+                "A static FoX cache takes padding (0s in `attention_mask`) in the first chunk of the prompt only; "
+                f"this prompt has up to {padding} padding tokens in a row: give `prefill_chunk_size` at least "
+                f"{padding}, or use the dynamic cache."
+            )
+        return None
 
     @accepts_legacy_cache_arg
     @can_return_tuple

@@ -106,11 +106,34 @@ def test_serving_rows_with_a_static_cache(bench):
     assert [(s["cache_implementation"], s["batch"], s["prompt"]) for s in summary] == [("static", 2, 24)]
 
 
+def test_serving_with_a_chunked_prefill_generates_the_same_tokens(bench, monkeypatch):
+    """--prefill-chunk-size reaches every model's generate(), which then gives the tokens of a whole prefill."""
+    models = tiny_models()
+    outputs = {}
+    for chunk in (None, 8):
+        for label, model in models.items():
+            generate = type(model).generate
+
+            def record(ids, label=label, model=model, generate=generate, **kwargs):
+                assert kwargs.get("prefill_chunk_size") == chunk
+                out = generate(model, ids, **kwargs)
+                outputs.setdefault((label, chunk), []).append(out.sequences if hasattr(out, "sequences") else out)
+                return out
+
+            monkeypatch.setattr(model, "generate", record)
+        rows = list(bench.measure_serving(models, batches=[2], prompts=[24], new_tokens=3, device="cpu",
+                                          cache_implementation="static", prefill_chunk_size=chunk))
+        assert all(r["prefill_chunk_size"] == chunk and "skipped" not in r for r in rows)
+    for label in models:
+        assert all(torch.equal(a, b) for a, b in zip(outputs[(label, None)], outputs[(label, 8)], strict=True))
+
+
 def test_serving_options(bench):
     args = bench.parse_args(["--parts", "serving", "--serving-batches", "1,2", "--serving-prompts", "64",
                              "--new-tokens", "4", "--cache-implementations", "dynamic,static"])
     assert (args.serving_batches, args.serving_prompts, args.new_tokens) == ([1, 2], [64], 4)
-    assert args.cache_implementations == ["dynamic", "static"]
+    assert args.cache_implementations == ["dynamic", "static"] and args.prefill_chunk_size is None
+    assert bench.parse_args(["--prefill-chunk-size", "4096"]).prefill_chunk_size == 4096
     with pytest.raises(SystemExit):
         bench.parse_args(["--cache-implementations", "quantized"])
     defaults = bench.parse_args([])

@@ -40,6 +40,23 @@ def test_static_cache_generates_what_the_dynamic_cache_generates(make_model, var
     assert torch.equal(static.sequences, model.generate(ids, **kwargs))
 
 
+@pytest.mark.parametrize("variant", ["pro", "plain"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_chunked_prefill_generates_what_one_prefill_generates(make_model, variant, cache):
+    """generate(prefill_chunk_size=...) feeds a long prompt in chunks, the way to fit a large batch's prefill; with a
+    static cache transformers allocates the cache's keys and values before the first chunk."""
+    model = make_model(**VARIANTS[variant])
+    ids, mask = left_padded_batch([21, 9, 16])
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, **GREEDY,
+                  **({"cache_implementation": "static"} if cache == "static" else {}))
+    assert torch.equal(model.generate(ids, prefill_chunk_size=12, **kwargs), model.generate(ids, **kwargs))
+    if cache == "static":  # the 9-token row's 12 padding tokens reach into the second chunk of 8
+        with pytest.raises(ValueError, match="prefill_chunk_size` at least 12"):
+            model.generate(ids, prefill_chunk_size=8, **kwargs)
+    else:
+        assert torch.equal(model.generate(ids, prefill_chunk_size=8, **kwargs), model.generate(ids, **kwargs))
+
+
 def test_text_generation_pipeline_gives_the_same_text_with_either_cache(make_model):
     tokenizer = byte_tokenizer()
     tokenizer.pad_token, tokenizer.padding_side = tokenizer.eos_token, "left"

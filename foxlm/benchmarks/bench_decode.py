@@ -27,7 +27,7 @@ the serving part) and are printed.
 
     python benchmarks/bench_decode.py [--parts attention,launch,generate,eviction,serving] [--new-tokens 256]
         [--serving-batches 1,8,32,64] [--serving-prompts 4096,32768] [--cache-implementations dynamic,static]
-        [--out DIR]
+        [--prefill-chunk-size TOKENS] [--out DIR]
 """
 
 import argparse
@@ -53,6 +53,9 @@ def parse_args(argv=None):
     parser.add_argument("--cache-implementations", type=comma_list, default=["dynamic"],
                         help="comma-separated generate() caches for the generate and serving parts, of dynamic, "
                              "static (default: dynamic)")
+    parser.add_argument("--prefill-chunk-size", type=int, default=None, metavar="TOKENS",
+                        help="serving: generate() prefills every model in chunks of this many tokens, which lets "
+                             "large batches of long prompts fit (default: the whole prompt at once)")
     parser.add_argument("--out", default=RESULTS_DIR)
     args = parser.parse_args(argv)
     unknown = set(args.cache_implementations) - set(CACHE_IMPLEMENTATIONS)
@@ -299,21 +302,26 @@ def timed_generate(model, ids, **kwargs):
     return out, time.perf_counter() - start
 
 
-def measure_serving(models, batches, prompts, new_tokens, device, cache_implementation="dynamic", warmup_tokens=17):
+def measure_serving(models, batches, prompts, new_tokens, device, cache_implementation="dynamic", warmup_tokens=17,
+                    prefill_chunk_size=None):
     """Yield one row per (batch, prompt, model) of greedy generate(): decode tokens/s, prefill time, peak memory (CUDA:
     of everything allocated, the weights of all models held included; `allocated_before_bytes` is what was allocated
     when the timed run started) and the cache's bytes after generation. `models` maps labels to models, already on
     `device` in their dtype. The rows run from the fewest prompt tokens (batch x prompt) to the most, every model at
-    one shape before the next; a row that runs out of memory comes back with `skipped` (the reason) and no timings."""
+    one shape before the next; a row that runs out of memory comes back with `skipped` (the reason) and no timings.
+    `prefill_chunk_size` has generate() prefill every model in chunks of that many tokens."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     # "dynamic" is generate()'s default; with "static" generate() on CUDA compiles the decode step.
     cache_kwargs = {} if cache_implementation == "dynamic" else dict(cache_implementation=cache_implementation)
+    if prefill_chunk_size:
+        cache_kwargs["prefill_chunk_size"] = prefill_chunk_size
     warmup_tokens = warmup_tokens_for(cache_implementation, new_tokens, warmup_tokens)
     for batch, prompt in sorted(((b, p) for b in batches for p in prompts), key=lambda bp: (bp[0] * bp[1], bp[0])):
         for label, model in models.items():
             row = dict(model=label, decode_kv_eviction=getattr(model.config, "decode_kv_eviction", False), batch=batch,
                        prompt=prompt, new_tokens=new_tokens, cache_implementation=cache_implementation,
+                       prefill_chunk_size=prefill_chunk_size,
                        dtype=str(model.dtype).removeprefix("torch."))
             try:
                 ids = torch.randint(3, model.config.vocab_size, (batch, prompt), device=device,
@@ -336,7 +344,7 @@ def measure_serving(models, batches, prompts, new_tokens, device, cache_implemen
             except torch.OutOfMemoryError as error:
                 row["skipped"] = f"out of memory: {str(error).splitlines()[0]}"
             ids = None
-            if cache_kwargs:  # each shape compiles anew: drop the last one's graphs and CUDA-graph memory pools
+            if cache_implementation != "dynamic":  # each shape compiles anew: drop the last graphs and their pools
                 torch.compiler.reset()
             gc.collect()
             if cuda:
@@ -374,7 +382,7 @@ def print_serving_table(summary):
 
 
 def bench_serving(results, batches=(1, 8, 32, 64), prompts=(4096, 32768), new_tokens=256,
-                  cache_implementations=("dynamic",), save=None):
+                  cache_implementations=("dynamic",), save=None, prefill_chunk_size=None):
     """Batch-serving decode throughput and memory (`measure_serving`) of the generate part's FoX and LLaMA and of the
     eviction part's model with and without eviction, bf16; `save()` after every row."""
     models = {label: model.to(torch.bfloat16).eval() for label, model in same_size_models().items()}
@@ -385,7 +393,8 @@ def bench_serving(results, batches=(1, 8, 32, 64), prompts=(4096, 32768), new_to
     torch.cuda.empty_cache()
     rows = results.setdefault("serving", [])
     for cache_implementation in cache_implementations:
-        for row in measure_serving(models, batches, prompts, new_tokens, "cuda", cache_implementation):
+        for row in measure_serving(models, batches, prompts, new_tokens, "cuda", cache_implementation,
+                                   prefill_chunk_size=prefill_chunk_size):
             rows.append(row)
             print(row, flush=True)
             results["serving_summary"] = serving_summary(rows)
@@ -405,7 +414,8 @@ def main():
              "generate": lambda results: bench_generate(results, args.new_tokens, caches),
              "eviction": bench_eviction,
              "serving": lambda results: bench_serving(results, args.serving_batches, args.serving_prompts,
-                                                      args.new_tokens, caches, save=save)}
+                                                      args.new_tokens, caches, save=save,
+                                                      prefill_chunk_size=args.prefill_chunk_size)}
     for part in args.parts.split(","):
         parts[part](results)
         write_record(path, results)
