@@ -29,6 +29,7 @@ RECIPES = {
     "attention-lora": ["--lora-modules", "attention"],
     "samples-4m": ["--teacher-samples", str(2**22)],
     "full-samples-4m": ["--full", "--teacher-samples", str(2**22)],
+    "transfer-qk-rank-32": ["--transfer-qk-rank", "32"],
 }
 
 
