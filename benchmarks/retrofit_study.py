@@ -30,6 +30,7 @@ RECIPES = {
     "samples-4m": ["--teacher-samples", str(2**22)],
     "full-samples-4m": ["--full", "--teacher-samples", str(2**22)],
     "transfer-qk-rank-32": ["--transfer-qk-rank", "32"],
+    "distill-only": ["--distill-only"],
 }
 
 

@@ -25,7 +25,7 @@ IGNORE_INDEX = -100
 
 
 def chunked_distillation_loss(student_hidden, student_head, labels, *, teacher_hidden=None, teacher_head=None,
-                              kl_mask=None, chunk_size=2048, shift_labels=None):
+                              kl_mask=None, chunk_size=2048, shift_labels=None, kl_only=False):
     """Sums over the predicting positions of (next-token loss, KL(teacher || student)) and their counts.
 
     Args:
@@ -36,6 +36,8 @@ def chunked_distillation_loss(student_hidden, student_head, labels, *, teacher_h
         shift_labels: (B, T) targets already shifted (position t predicts shift_labels[t]), instead of `labels`: a
             context-parallel slice from `foxlm.context_parallel.shard_batch`, whose last token predicts the first
             token of the next rank's slice.
+        kl_only: the positions that take the KL term take no next-token loss (pure distillation there); `tokens`
+            still counts every predicting position, so each position weighs the same in either term.
 
     Returns (ce_sum, kl_sum, tokens, kl_tokens): fp32 scalars with the graph to the student, and the two counts as
     0-d tensors (read on the device: no host sync in a training step).
@@ -53,6 +55,8 @@ def chunked_distillation_loss(student_hidden, student_head, labels, *, teacher_h
     else:
         kl_positions = predicting if kl_mask is None else predicting & kl_mask
 
+    ce_targets = targets.masked_fill(kl_positions, IGNORE_INDEX) if kl_only else targets
+
     def chunk_terms(hidden, target, teacher, use_kl):
         log_probs = F.log_softmax(student_head(hidden).float(), dim=-1)
         ce = F.nll_loss(log_probs, target, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -65,7 +69,7 @@ def chunked_distillation_loss(student_hidden, student_head, labels, *, teacher_h
 
     ce_sum = kl_sum = student_hidden.new_zeros((), dtype=torch.float32)
     flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
-    hidden, target, kl_flags = flat(student_hidden), flat(targets), flat(kl_positions)
+    hidden, target, kl_flags = flat(student_hidden), flat(ce_targets), flat(kl_positions)
     teacher = flat(teacher_hidden) if with_teacher else None
     for start in range(0, hidden.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
@@ -149,14 +153,17 @@ class DistillationTrainer(Trainer):
 
     Both terms are sums over the predicting positions divided by their number (`num_items_in_batch` under gradient
     accumulation, as the model's own loss), so `kl_weight=0` gives exactly the next-token loss. The teacher must share
-    the model's tokenizer; it is moved to the training device, frozen and kept in eval mode. The two terms are logged
+    the model's tokenizer; it is moved to the training device, frozen and kept in eval mode. With `distill_only`,
+    positions below `teacher_context` take the KL term alone (the student follows the teacher there, not the data's
+    next tokens), and the next-token loss trains the positions beyond. The two terms are logged
     as `ce` and `kl` (means over the logging interval, summed over processes as the loss is).
 
     With several processes (DDP, or `ContextParallelDistillationTrainer`) the student runs through the wrapped model
     so that its gradients are reduced, and the loss is scaled by the number of processes as `Trainer` scales its own.
     """
 
-    def __init__(self, *args, teacher=None, kl_weight=1.0, teacher_context=None, chunk_size=2048, **kwargs):
+    def __init__(self, *args, teacher=None, kl_weight=1.0, teacher_context=None, chunk_size=2048, distill_only=False,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         if not kl_weight >= 0:
             raise ValueError(f"`kl_weight` must be non-negative, got {kl_weight!r}.")
@@ -165,7 +172,10 @@ class DistillationTrainer(Trainer):
         self.teacher = None if teacher is None or kl_weight == 0 else teacher.to(self.args.device).eval()
         if self.teacher is not None:
             self.teacher.requires_grad_(False)
+        if distill_only and self.teacher is None:
+            raise ValueError("`distill_only` needs a `teacher` and a `kl_weight` > 0.")
         self.kl_weight, self.teacher_context, self.chunk_size = kl_weight, teacher_context, chunk_size
+        self.distill_only = distill_only
         self._terms = {"ce": [], "kl": []}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -202,7 +212,8 @@ class DistillationTrainer(Trainer):
                         kl_mask = positions < self.teacher_context
             ce, kl, tokens, _ = chunked_distillation_loss(hidden, head, labels, teacher_hidden=teacher_hidden,
                                                           teacher_head=teacher_head, kl_mask=kl_mask,
-                                                          chunk_size=self.chunk_size, shift_labels=shift_labels)
+                                                          chunk_size=self.chunk_size, shift_labels=shift_labels,
+                                                          kl_only=self.distill_only)
         count = num_items_in_batch if num_items_in_batch is not None else tokens.clamp_min(1)
         count = count.to(ce.device) if torch.is_tensor(count) else count
         ce, kl = ce / count, kl / count

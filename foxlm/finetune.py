@@ -133,6 +133,10 @@ def parse_args(argv=None, prog=None):
     training.add_argument("--kl-weight", type=float, default=1.0,
                           help="weight of KL(original || FoX) added to the next-token loss at positions inside "
                                "the original's context; 0 trains on next-token loss alone (default: %(default)s)")
+    training.add_argument("--distill-only", action="store_true",
+                          help="inside the original's context, train on the KL alone, without the next-token loss: "
+                               "the model follows the original there rather than the training text (past it, the "
+                               "next-token loss still trains the long context)")
     training.add_argument("--teacher-context", type=int, default=None,
                           help="positions that take the KL term (default: the original's max_position_embeddings)")
     training.add_argument("--save-steps", type=int, default=50,
@@ -181,6 +185,9 @@ def parse_args(argv=None, prog=None):
             parser.error(f"--{name.replace('_', '-')} must be a positive number, got {value}")
     if not (args.kl_weight >= 0 and math.isfinite(args.kl_weight)):
         parser.error(f"--kl-weight must be 0 or a positive number, got {args.kl_weight}")
+    if args.distill_only and not args.kl_weight:
+        parser.error("--distill-only trains on the KL term alone inside the original's context: it needs a "
+                     "--kl-weight above 0")
     if args.teacher_context is not None and args.teacher_context < 1:
         parser.error(f"--teacher-context must be at least 1, got {args.teacher_context}")
     return args
@@ -431,6 +438,8 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
     budget_text = f", at most {args.max_minutes:g} minutes" if args.max_minutes else ""
     loss_text = f"next-token loss + {args.kl_weight:g} x KL to the original below position {context}" \
         if args.kl_weight else "next-token loss"
+    if args.distill_only:
+        loss_text = f"{args.kl_weight:g} x KL to the original below position {context}, next-token loss beyond"
     parallel_text = f", each sequence split over {args.context_parallel} processes" \
         if args.context_parallel > 1 else ""
     if processes.main:
@@ -443,7 +452,7 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
     trainer = trainer_class(model=trainable, args=training_args, train_dataset=examples,
                             data_collator=DataCollatorWithFlattening(), optimizers=(optimizer, scheduler),
                             callbacks=[budget], teacher=teacher, kl_weight=args.kl_weight, teacher_context=context,
-                            **parallel)
+                            distill_only=args.distill_only, **parallel)
     saved = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json")) if checkpoint else None
     if saved is not None and saved.global_step >= args.steps:
         # Trainer would run one more step before it saw that none is left (it checks after each step).

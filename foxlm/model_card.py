@@ -149,6 +149,9 @@ def fine_tuning_facts(converted_dir, trainer, args):
     kl_weight = getattr(args, "kl_weight", 0)
     objective = (f"next-token loss plus {kl_weight:g} x KL(original || FoX) of the next-token distributions at "
                  "positions inside the original's context" if kl_weight else "next-token loss")
+    if getattr(args, "distill_only", False):
+        objective = (f"{kl_weight:g} x KL(original || FoX) of the next-token distributions alone at positions inside "
+                     "the original's context, next-token loss beyond")
     losses = [(entry["step"], entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
     conversion_text = (Path(converted_dir) / "README.md").read_text()
     tokens = trainer.args.gradient_accumulation_steps * trainer.args.per_device_train_batch_size * args.context

@@ -173,6 +173,15 @@ def test_finetune_help_lists_the_example_script_options(capsys):
     assert out.startswith("usage: foxlm finetune") and "--max-minutes" in out and "--eval-only" in out
 
 
+def test_finetune_refuses_distillation_alone_without_a_kl_weight(capsys):
+    from foxlm.finetune import parse_args
+
+    assert parse_args(["--distill-only"]).distill_only
+    with pytest.raises(SystemExit):
+        parse_args(["--distill-only", "--kl-weight", "0"])
+    assert "--distill-only" in capsys.readouterr().err
+
+
 def test_other_commands_refuse_unknown_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--no-such-option"])

@@ -52,6 +52,24 @@ def test_chunked_loss_matches_direct_computation_with_gradients(chunk_size):
     assert kl > 0
 
 
+def test_kl_only_positions_take_no_next_token_loss():
+    torch.manual_seed(2)
+    B, T, H, V = 2, 11, 8, 13
+    student_hidden, teacher_hidden = torch.randn(B, T, H, dtype=torch.float64), torch.randn(B, T, H, dtype=torch.float64)
+    head = torch.nn.Linear(H, V).double()
+    labels = torch.randint(0, V, (B, T))
+    kl_mask = torch.arange(T).expand(B, T) < 6
+    terms = dict(teacher_hidden=teacher_hidden, teacher_head=head, kl_mask=kl_mask, chunk_size=4)
+    ce, kl, tokens, kl_tokens = chunked_distillation_loss(student_hidden, head, labels, kl_only=True, **terms)
+    beyond = labels.clone()
+    beyond[:, 1:7] = -100  # positions 0-5 predict tokens 1-6: those take the KL alone
+    ce_ref, kl_ref, _, _ = direct_terms(head(student_hidden), head(teacher_hidden), beyond, torch.zeros_like(kl_mask))
+    torch.testing.assert_close(ce.double(), ce_ref)
+    assert (tokens, kl_tokens) == (B * (T - 1), B * 6)  # every position still counts once, in one term or the other
+    full_ce, full_kl, _, _ = chunked_distillation_loss(student_hidden, head, labels, **terms)
+    assert ce < full_ce and torch.equal(kl, full_kl)
+
+
 def test_kl_is_zero_when_the_student_is_the_teacher_and_next_token_loss_matches_the_models_own():
     llama = tiny_llama()
     ids = torch.randint(0, TINY["vocab_size"], (2, 20))
@@ -119,10 +137,23 @@ def test_kl_applies_only_inside_the_teachers_context(tmp_path):
     assert 0 < small < trainer._terms["kl"][-1]
 
 
+def test_distill_only_trains_the_next_token_loss_beyond_the_teachers_context_alone(tmp_path):
+    trainer, _ = make_trainer(tmp_path, kl_weight=1.0, teacher_context=4, distill_only=True)
+    batch = DataCollatorWithFlattening()(packed_examples()[:2])
+    trainer.compute_loss(trainer.model, batch)
+    ce_beyond = trainer._terms["ce"][-1]
+    trainer.distill_only = False
+    trainer.compute_loss(trainer.model, batch)
+    assert 0 < ce_beyond < trainer._terms["ce"][-1]
+    assert torch.equal(trainer._terms["kl"][0], trainer._terms["kl"][1])
+
+
 def test_a_kl_weight_without_teacher_is_refused(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     with pytest.raises(ValueError, match="teacher"):
         DistillationTrainer(model=fox_from_llama(tiny_llama()), args=args, kl_weight=1.0)
+    with pytest.raises(ValueError, match="distill_only"):
+        DistillationTrainer(model=fox_from_llama(tiny_llama()), args=args, kl_weight=0.0, distill_only=True)
 
 
 def test_the_loss_runs_under_the_trainers_mixed_precision(tmp_path, monkeypatch):
