@@ -31,6 +31,7 @@ RECIPES = {
     "full-samples-4m": ["--full", "--teacher-samples", str(2**22)],
     "transfer-qk-rank-32": ["--transfer-qk-rank", "32"],
     "distill-only": ["--distill-only"],
+    "samples-t0.7": ["--sample-temperature", "0.7"],
 }
 
 

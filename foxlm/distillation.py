@@ -252,19 +252,23 @@ class ContextParallelDistillationTrainer(ContextParallelTrainer, DistillationTra
 
 
 @torch.no_grad()
-def sample_documents(model, *, num_tokens, eos_token_id, max_length=1024, batch_size=256, seed=0):
+def sample_documents(model, *, num_tokens, eos_token_id, max_length=1024, batch_size=256, seed=0, temperature=1.0):
     """Documents sampled from `model`, about `num_tokens` tokens in all: token id lists, each ending with EOS.
 
     Each document starts after an EOS, as a new document does in packed pretraining data, and is sampled at
-    temperature 1 without top-k or top-p truncation, so the documents follow the model's own distribution; a document
-    ends at the model's first EOS or after `max_length` tokens (EOS appended). Sampling uses its own random stream
+    `temperature` (1: the model's own distribution) without top-k or top-p truncation; below 1 the documents are
+    more coherent and less varied. A document ends at the model's first EOS or after `max_length` tokens (EOS
+    appended). Sampling uses its own random stream
     (`seed`), so the caller's is untouched and the same seed gives the same documents on the same machine.
     """
     for name, value in (("num_tokens", num_tokens), ("max_length", max_length), ("batch_size", batch_size)):
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    if not (isinstance(temperature, (int, float)) and 0 < temperature < float("inf")):
+        raise ValueError(f"`temperature` must be a positive number, got {temperature!r}.")
     device = model.device
-    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_length,
+    config = GenerationConfig(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0,
+                              max_new_tokens=max_length,
                               eos_token_id=eos_token_id, pad_token_id=eos_token_id)
     documents, total = [], 0
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \

@@ -89,6 +89,9 @@ def parse_args(argv=None, prog=None):
                       help="tokens of text sampled from the original model and mixed into the training data, for "
                            "both stages: distillation on the original's own text keeps what it knew beyond the "
                            f"training corpus; 0 for none ({machine_default('teacher_samples')})")
+    data.add_argument("--sample-temperature", type=float, default=1.0, metavar="T",
+                      help="temperature of the sampling: 1 follows the original's own distribution, lower gives "
+                           "more coherent, less varied text (default: %(default)s)")
     data.add_argument("--sample-length", type=int, default=None, metavar="TOKENS",
                       help=f"longest sampled document ({machine_default('sample_length')})")
     data.add_argument("--sample-batch-size", type=int, default=None,
@@ -185,6 +188,8 @@ def parse_args(argv=None, prog=None):
             parser.error(f"--{name.replace('_', '-')} must be a positive number, got {value}")
     if not (args.kl_weight >= 0 and math.isfinite(args.kl_weight)):
         parser.error(f"--kl-weight must be 0 or a positive number, got {args.kl_weight}")
+    if not (args.sample_temperature > 0 and math.isfinite(args.sample_temperature)):
+        parser.error(f"--sample-temperature must be a positive number, got {args.sample_temperature}")
     if args.distill_only and not args.kl_weight:
         parser.error("--distill-only trains on the KL term alone inside the original's context: it needs a "
                      "--kl-weight above 0")
@@ -322,7 +327,8 @@ def teacher_samples(args, source, run_dir):
                                       device="cuda" if on_gpu else None)
     started = time.perf_counter()
     documents = sample_documents(model, num_tokens=args.teacher_samples, eos_token_id=tokenizer.eos_token_id,
-                                 max_length=args.sample_length, batch_size=args.sample_batch_size)
+                                 max_length=args.sample_length, batch_size=args.sample_batch_size,
+                                 temperature=args.sample_temperature)
     seconds = time.perf_counter() - started
     del model
     lengths = [len(document) for document in documents]

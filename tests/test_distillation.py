@@ -199,22 +199,26 @@ def test_sampled_documents_follow_the_model_end_with_one_eos_and_leave_the_calle
     assert sample_documents(model, num_tokens=100, eos_token_id=eos, max_length=12, batch_size=4, seed=8) != documents
 
 
-def test_documents_are_sampled_from_the_models_whole_distribution():
-    """Temperature 1, no top-k or top-p: first tokens come as often as the model predicts them after EOS."""
+@pytest.mark.parametrize("temperature", [1.0, 0.2])  # at 0.2 a token's share moves by up to 0.02
+def test_documents_are_sampled_from_the_models_whole_distribution(temperature):
+    """No top-k or top-p: first tokens come as often as the model predicts them after EOS, at the temperature."""
     model, eos = tiny_llama(), 5
-    documents = sample_documents(model, num_tokens=8000, eos_token_id=eos, max_length=1, batch_size=1000)
+    documents = sample_documents(model, num_tokens=8000, eos_token_id=eos, max_length=1, batch_size=1000,
+                                 temperature=temperature)
     with torch.no_grad():
-        probs = model(torch.tensor([[eos]])).logits[0, -1].double().softmax(-1)
+        probs = (model(torch.tensor([[eos]])).logits[0, -1].double() / temperature).softmax(-1)
     probs[eos] = 0  # a document that is EOS alone is dropped
     probs /= probs.sum()
     counts = torch.bincount(torch.tensor([doc[0] for doc in documents]), minlength=len(probs)).double()
     frequencies = counts / counts.sum()
     assert (frequencies - probs).abs().max() < 0.01
     tail = probs.argsort()[: len(probs) // 2]  # what a top-k of half the vocabulary would never sample
-    assert abs(frequencies[tail].sum() - probs[tail].sum()) < 0.02 and probs[tail].sum() > 0.2
+    assert abs(frequencies[tail].sum() - probs[tail].sum()) < 0.02 and probs[tail].sum() > 0.1
 
 def test_sampling_refuses_bad_sizes():
     with pytest.raises(ValueError, match="`num_tokens` must be a positive integer, got 0"):
         sample_documents(tiny_llama(), num_tokens=0, eos_token_id=1)
     with pytest.raises(ValueError, match="`batch_size` must be a positive integer"):
         sample_documents(tiny_llama(), num_tokens=10, eos_token_id=1, batch_size=2.5)
+    with pytest.raises(ValueError, match="`temperature` must be a positive number, got 0"):
+        sample_documents(tiny_llama(), num_tokens=10, eos_token_id=1, temperature=0)
