@@ -5,7 +5,9 @@ Everything outside attention is per token and runs on the slice. In each attenti
 token shift, QK-norm and gate, one all-to-all turns q, k, v and log f from (T / P tokens, all heads) into (all T
 tokens, heads / P); the unchanged attention (Triton kernel or reference: packed documents, ACP and the gate's running
 sum over the whole sequence included) runs on the rank's heads, and a second all-to-all turns its output back into
-the rank's slice. The token shift reads the token before the slice from the previous rank.
+the rank's slice. Heads that P does not divide split unevenly (9 over 4: 3, 2, 2, 2; `head_splits`), each rank
+receiving the key/value heads its query heads read. The token shift reads the token before the slice from the
+previous rank.
 
 `ContextParallel` does the communication (autograd-aware: the backward of an all-to-all is the reverse all-to-all);
 `FoxPreTrainedModel.enable_context_parallel(group)` switches a model to it. `shard_batch` cuts a batch into the
@@ -48,14 +50,29 @@ def all_to_all(x, group, output_splits=None, input_splits=None):
 
 
 def check_head_split(num_heads, num_kv_heads, size):
-    """Raise a ValueError naming the numbers unless a group of `size` ranks can split the heads: query heads
-    divisible by it, key/value heads divisible by it or dividing it."""
-    if num_heads % size:
+    """Raise a ValueError naming the numbers unless a group of `size` ranks can split the heads: at least one query
+    head per rank, and query heads that are whole groups of the key/value heads (GQA)."""
+    if num_heads < size:
         raise ValueError(f"context parallelism splits the attention heads over the group: num_attention_heads "
-                         f"({num_heads}) must be divisible by the group size ({size}).")
-    if num_kv_heads % size and size % num_kv_heads:
-        raise ValueError(f"num_key_value_heads ({num_kv_heads}) must be divisible by the context-parallel group "
-                         f"size ({size}), or divide it (then each kv head is replicated).")
+                         f"({num_heads}) must be at least the group size ({size}), one query head per rank.")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"num_key_value_heads ({num_kv_heads}) must divide num_attention_heads ({num_heads}).")
+
+
+def head_splits(num_heads, size):
+    """How many query heads each of `size` ranks takes: contiguous ranges in rank order, sizes differing by at most
+    one, the larger first (9 over 4: [3, 2, 2, 2])."""
+    return [num_heads // size + (r < num_heads % size) for r in range(size)]
+
+
+def kv_head_ranges(num_heads, num_kv_heads, size):
+    """The key/value heads [start, stop) that each rank's query heads (`head_splits`) read: query head h reads kv
+    head h // (num_heads / num_kv_heads). Neighbouring ranks share a kv head when a group straddles their ranges."""
+    group, ranges, first = num_heads // num_kv_heads, [], 0
+    for count in head_splits(num_heads, size):
+        ranges.append((first // group, (first + count - 1) // group + 1))
+        first += count
+    return ranges
 
 
 class ContextParallel:
@@ -64,9 +81,12 @@ class ContextParallel:
     Args:
         group: the process group whose ranks share each sequence (`torch.distributed.new_group`, or
             `device_mesh["cp"].get_group()`); its ranks hold consecutive slices in group-rank order.
-        num_heads, num_kv_heads: the model's query and key/value heads. Query heads must divide among the ranks;
-            key/value heads too, or (fewer kv heads than ranks) the ranks must be a multiple of them, and each kv head
-            is then replicated so that every rank holds one.
+        num_heads, num_kv_heads: the model's query and key/value heads; at least one query head per rank.
+
+    When the ranks divide the query heads and divide, or are a multiple of, the key/value heads, every exchange
+    moves equal parts (kv heads replicated first when fewer than the ranks). Otherwise rank r takes the query heads
+    `head_splits` gives it and exactly the kv heads they read (`kv_head_ranges`; one straddling two ranks is sent
+    to both), and exchanges use per-rank split sizes.
     """
 
     def __init__(self, group, num_heads, num_kv_heads):
@@ -76,8 +96,23 @@ class ContextParallel:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         check_head_split(num_heads, num_kv_heads, self.size)
+        self.even = num_heads % self.size == 0 and (num_kv_heads % self.size == 0 or self.size % num_kv_heads == 0)
         # Fewer kv heads than ranks: repeat each so that rank r's query heads find their kv head on rank r.
         self.kv_repeats = max(1, self.size // num_kv_heads)
+        if not self.even:
+            self.head_splits = head_splits(num_heads, self.size)
+            self.first_head = sum(self.head_splits[: self.rank])
+            ranges = kv_head_ranges(num_heads, num_kv_heads, self.size)
+            self.kv_splits = [stop - start for start, stop in ranges]
+            self.kv_sent = [h for start, stop in ranges for h in range(start, stop)]  # rank 0's kv heads first
+            # The local kv head of each local query head; kept as GQA when it is the usual h // group pattern.
+            group_size = num_heads // num_kv_heads
+            heads = range(self.first_head, self.first_head + self.head_splits[self.rank])
+            local = [h // group_size - ranges[self.rank][0] for h in heads]
+            per_kv = len(local) // self.kv_splits[self.rank]
+            uniform = len(local) % self.kv_splits[self.rank] == 0 and local == [i // per_kv for i in range(len(local))]
+            self.kv_local_index = None if uniform else local
+            self._indices = {}  # the index lists above as tensors, per device: no host-to-device copy per layer
 
     def __repr__(self):
         return f"ContextParallel(rank {self.rank} of {self.size})"
@@ -92,9 +127,16 @@ class ContextParallel:
         return received.movedim(0, 1).reshape(B, self.size * Tl, H // self.size, *rest)
 
     def to_sequence(self, x):
-        """The inverse of `to_heads`: (B, T, H / P, ...) -> (B, T / P, H, ...)."""
+        """The inverse of `to_heads`: (B, T, H / P, ...) -> (B, T / P, H, ...); with uneven heads, this rank's
+        query heads back to every rank's slice."""
         B, T, Hl = x.shape[:3]
         rest = x.shape[3:]
+        if not self.even:
+            # One head per row: rank s's slice of this rank's heads goes to rank s; rank s's heads come back.
+            rows = x.view(B, self.size, T // self.size, Hl, *rest).movedim(3, 0).movedim(2, 0)
+            received = all_to_all(rows.reshape(self.size * Hl, B, T // self.size, *rest), self.group,
+                                  self.head_splits, [Hl] * self.size)
+            return received.movedim(0, 2).contiguous()  # as the even path's reshape gives it
         chunks = x.reshape(B, self.size, T // self.size, Hl, *rest).movedim(1, 0)
         # Row s of the output is this rank's slice for rank s's heads: in head order.
         received = all_to_all(chunks, self.group)
@@ -103,13 +145,48 @@ class ContextParallel:
     def attention_inputs(self, q, k, v, log_fgate):
         """q, k, v (B, T / P, heads, D) and log f (B, T / P, heads) of the slice -> the whole sequence, this rank's
         heads (kv heads replicated first when they are fewer than the ranks)."""
+        if not self.even:
+            return self._uneven_attention_inputs(q, k, v, log_fgate)
         if self.kv_repeats > 1:
             k, v = k.repeat_interleave(self.kv_repeats, dim=2), v.repeat_interleave(self.kv_repeats, dim=2)
         return self.to_heads(q), self.to_heads(k), self.to_heads(v), self.to_heads(log_fgate[..., None])[..., 0]
 
     def local_heads(self, x):
         """This rank's query heads of a per-head tensor (B, heads), such as ACP's score bound."""
+        if not self.even:
+            return x[:, self.first_head: self.first_head + self.head_splits[self.rank]]
         return x.chunk(self.size, dim=1)[self.rank]
+
+    def _heads_to_rows(self, x, send_splits, index=None):
+        """(B, T / P, heads, ...) -> (B, T, received heads, ...) with one head per row of the exchange, so that the
+        ranks can send different numbers of heads: `send_splits[r]` heads (those of `index`, in order, or all) to
+        rank r, and as many of its slice back from every rank."""
+        B, Tl = x.shape[:2]
+        rest = x.shape[3:]
+        rows = x.movedim(2, 0)
+        if index is not None:  # repeated heads: the backward sums their gradients
+            rows = rows.index_select(0, self._index(index, x.device))
+        n = send_splits[self.rank]
+        received = all_to_all(rows, self.group, [n] * self.size, send_splits)  # (P * n, B, T / P, ...)
+        received = received.view(self.size, n, B, Tl, *rest).movedim(2, 0).movedim(2, 3)
+        return received.reshape(B, self.size * Tl, n, *rest)
+
+    def _index(self, values, device):
+        key = (tuple(values), device)
+        if key not in self._indices:
+            self._indices[key] = torch.tensor(values, device=device)
+        return self._indices[key]
+
+    def _uneven_attention_inputs(self, q, k, v, log_fgate):
+        q = self._heads_to_rows(q, self.head_splits)
+        log_fgate = self._heads_to_rows(log_fgate[..., None], self.head_splits)[..., 0]
+        k, v = (self._heads_to_rows(x, self.kv_splits, self.kv_sent) for x in (k, v))
+        if self.kv_local_index is not None:
+            # This rank's query heads read their kv heads unevenly (5 heads over 2 kv heads: 3 and 2): no GQA group
+            # size fits, so one kv head per query head, a local copy.
+            index = self._index(self.kv_local_index, k.device)
+            k, v = k.index_select(2, index), v.index_select(2, index)
+        return q, k, v, log_fgate
 
     def previous_token(self, last):
         """The token before this rank's slice: `last` (B, 1, ...) is this slice's last token, sent to the next rank;

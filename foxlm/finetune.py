@@ -148,7 +148,7 @@ def parse_args(argv=None, prog=None):
                           help="recompute activations in the backward pass to save memory (default: on a GPU)")
     training.add_argument("--context-parallel", type=int, default=None, metavar="N",
                           help="under torchrun: split every training sequence over groups of N processes (the "
-                               "attention heads too: N must divide them); more processes than N train on more "
+                               "attention heads too: at least one per process); more processes than N train on more "
                                "sequences at once, --tokens-per-step kept (default: all processes)")
     evaluation = parser.add_argument_group("evaluation (stage 4)")
     evaluation.add_argument("--eval-length", type=int, default=None,
@@ -234,7 +234,8 @@ class Processes:
             self.wait_group = dist.new_group(backend="gloo", timeout=RANK_ZERO_TIMEOUT)
 
     def check_heads(self, source_config):
-        """The original's attention heads, which the converted model keeps, must split over the group."""
+        """The original's attention heads, which the converted model keeps, must split over the group (at least one
+        query head per process)."""
         if self.size > 1:
             from foxlm.context_parallel import check_head_split
 

@@ -449,9 +449,9 @@ class FoxPreTrainedModel(PreTrainedModel):
     def enable_context_parallel(self, group):
         """Context (sequence) parallelism over the ranks of `group`, the Ulysses scheme (docs/context-parallel.md):
         from now on each rank's forward takes its slice of every sequence (`foxlm.context_parallel.shard_batch`
-        makes it) and the attention layers exchange heads over the group. Query heads, and key/value heads (or the
-        group size, which then replicates them), must divide by the group size. Sets `config.use_cache = False`: a
-        context-parallel forward keeps no cache. Returns the model."""
+        makes it) and the attention layers exchange heads over the group. Each rank takes at least one query head;
+        heads that the group size does not divide split unevenly (9 over 4: 3, 2, 2, 2). Sets
+        `config.use_cache = False`: a context-parallel forward keeps no cache. Returns the model."""
         config = self.config
         self.base_model.context_parallel = ContextParallel(group, config.num_attention_heads,
                                                            config.num_key_value_heads)

@@ -41,6 +41,20 @@ CASES = {
     # Packed documents given as boundaries (cu_seq_lens_q, one row), the FoX (LLaMA) variant without shift or norms.
     "llama_cu_seqlens": dict(model=dict(qk_norm=False, use_output_gate=False, use_output_norm=False,
                                         use_k_shift=False, use_v_shift=False, acp_eps=None), batch="cu", B=1),
+    # Heads that two ranks do not divide (`path`: how ContextParallel splits them). 3/3: query heads 2 and 1.
+    "uneven_3_heads": dict(model=dict(num_attention_heads=3, num_key_value_heads=3), batch="packed", B=2,
+                           path="uneven"),
+    # 3/1 on the FoX (LLaMA) variant (ACP's bound measured per head in the kernel), documents as boundaries.
+    "uneven_3_over_1_llama_cu_seqlens": dict(model=dict(num_attention_heads=3, num_key_value_heads=1, qk_norm=False,
+                                                        use_output_gate=False, use_output_norm=False),
+                                             batch="cu", B=1, path="uneven"),
+    # 5/1: heads 3 and 2, the one kv head sent to both ranks.
+    "uneven_5_over_1": dict(model=dict(num_attention_heads=5, num_key_value_heads=1), batch="packed", B=2,
+                            path="uneven"),
+    # SmolLM2-135M's 9/3: heads 5 and 4, kv head 1 read on both ranks by 2 and 1 query heads, so each rank copies
+    # its kv heads to one per query head.
+    "uneven_9_over_3_checkpointed": dict(model=dict(num_attention_heads=9, num_key_value_heads=3), batch="packed",
+                                         B=2, checkpointing=True, path="uneven, local kv copy"),
 }
 
 
@@ -58,6 +72,22 @@ def make_batch(kind, B, generator):
 
 def max_diff(a, b):
     return (a - b).abs().max().item()
+
+
+def head_labels(cp, config, B, T_local):
+    """Whether this rank's attention inputs hold the heads it should: q, k, v and log f labeled with their head
+    numbers, exchanged, read back per local query head against `local_heads` (what ACP's per-head bound is cut with;
+    on a CPU the bound is not used, so the outputs cannot tell). The kv head read is the kernel's GQA one."""
+    H, H_kv = config.num_attention_heads, config.num_key_value_heads
+    label = lambda n: torch.arange(n, dtype=torch.float32)[None, None, :, None].expand(B, T_local, n, 2)  # noqa: E731
+    q, k, v, log_f = cp.attention_inputs(label(H), label(H_kv), label(H_kv), label(H)[..., 0])
+    heads = cp.local_heads(torch.arange(H, dtype=torch.float32)[None])[0]
+    read = k[0, :, torch.arange(len(heads)) // (q.shape[2] // k.shape[2]), 0]  # (T, local query heads)
+    right = torch.tensor(int(q.shape[1] == T_local * cp.size and q[0, :, :, 0].eq(heads).all().item()
+                             and log_f[0].eq(heads).all().item() and read.eq(heads // (H // H_kv)).all().item()
+                             and k.eq(v).all().item()))
+    dist.all_reduce(right, op=dist.ReduceOp.MIN, group=cp.group)  # rank 0's heads come first either way
+    return bool(right)
 
 
 def run_case(case, group):
@@ -81,6 +111,8 @@ def run_case(case, group):
     out = model(**local, num_items_in_batch=token_count(local["shift_labels"], group))
     out.loss.backward()
 
+    cp = model.model.context_parallel
+    path = "even" if cp.even else "uneven, local kv copy" if cp.kv_local_index is not None else "uneven"
     T_local = local["inputs_embeds"].shape[1]
     real = slice(rank * T_local, min((rank + 1) * T_local, T))
     logits_diff = torch.tensor(max_diff(out.logits[:, : real.stop - real.start], ref.logits[:, real]))
@@ -106,7 +138,7 @@ def run_case(case, group):
             "grad": grad_diffs[worst], "worst_grad": worst, "parameters": len(grad_diffs) - 1,
             "grad_presence_differs": missing,
             "grad_scale": max(g.abs().max().item() for _, g in grads.values()), "slice_tokens": T_local,
-            "size": size}
+            "size": size, "path": path, "head_labels": head_labels(cp, model.config, case["B"], T_local)}
 
 
 def trainer_case(output_dir):
@@ -166,7 +198,7 @@ def main(result_path):
     results = {name: run_case(case, group) for name, case in CASES.items()}
 
     results["errors"] = {
-        "heads": error_of(lambda g: tiny_model(num_attention_heads=3, num_key_value_heads=3).enable_context_parallel(g),
+        "heads": error_of(lambda g: tiny_model(num_attention_heads=1, num_key_value_heads=1).enable_context_parallel(g),
                           group),
         "padding_mask": error_of(lambda g: tiny_model().enable_context_parallel(g)(
             input_ids=torch.ones(1, 4, dtype=torch.long), attention_mask=torch.tensor([[0, 1, 1, 1]])), group),

@@ -122,3 +122,17 @@ def test_settings_that_cannot_split_are_refused_before_any_work(llama, monkeypat
                                              r"\(2\)"):
             foxlm(["finetune", *case_args(root, LAUNCHED), "--context", "127"])
     assert not (root / LAUNCHED).exists()
+
+
+def test_heads_that_the_group_does_not_divide_split_unevenly_and_too_few_are_refused():
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from foxlm.finetune import Processes
+
+    smollm2 = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
+    Processes.check_heads(SimpleNamespace(size=4), smollm2)  # 4 GPUs: query heads 3, 2, 2, 2
+    with pytest.raises(SystemExit, match=r"--context-parallel 16: .*num_attention_heads \(9\) must be at least the "
+                                         r"group size \(16\)"):
+        Processes.check_heads(SimpleNamespace(size=16), smollm2)
