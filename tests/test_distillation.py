@@ -55,7 +55,7 @@ def test_chunked_loss_matches_direct_computation_with_gradients(chunk_size):
 def test_kl_only_positions_take_no_next_token_loss():
     torch.manual_seed(2)
     B, T, H, V = 2, 11, 8, 13
-    student_hidden, teacher_hidden = torch.randn(B, T, H, dtype=torch.float64), torch.randn(B, T, H, dtype=torch.float64)
+    student_hidden, teacher_hidden = (torch.randn(B, T, H, dtype=torch.float64) for _ in range(2))
     head = torch.nn.Linear(H, V).double()
     labels = torch.randint(0, V, (B, T))
     kl_mask = torch.arange(T).expand(B, T) < 6
@@ -126,26 +126,28 @@ def test_distillation_lowers_the_kl_and_leaves_the_teacher_unchanged(tmp_path):
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
 
 
+def loss_terms(trainer, batch, **settings):
+    """(ce, kl) of one compute_loss on `batch`, after setting the trainer's attributes `settings`."""
+    for name, value in settings.items():
+        setattr(trainer, name, value)
+    trainer.compute_loss(trainer.model, batch)
+    return trainer._terms["ce"][-1], trainer._terms["kl"][-1]
+
+
 def test_kl_applies_only_inside_the_teachers_context(tmp_path):
     trainer, _ = make_trainer(tmp_path, kl_weight=1.0, teacher_context=1)
     batch = DataCollatorWithFlattening()(packed_examples()[:2])
     # Position 0 of each document predicts token 1: only those positions take the KL term.
-    trainer.compute_loss(trainer.model, batch)
-    small = trainer._terms["kl"][-1]
-    trainer.teacher_context = None
-    trainer.compute_loss(trainer.model, batch)
-    assert 0 < small < trainer._terms["kl"][-1]
+    _, inside = loss_terms(trainer, batch)
+    assert 0 < inside < loss_terms(trainer, batch, teacher_context=None)[1]
 
 
 def test_distill_only_trains_the_next_token_loss_beyond_the_teachers_context_alone(tmp_path):
     trainer, _ = make_trainer(tmp_path, kl_weight=1.0, teacher_context=4, distill_only=True)
     batch = DataCollatorWithFlattening()(packed_examples()[:2])
-    trainer.compute_loss(trainer.model, batch)
-    ce_beyond = trainer._terms["ce"][-1]
-    trainer.distill_only = False
-    trainer.compute_loss(trainer.model, batch)
-    assert 0 < ce_beyond < trainer._terms["ce"][-1]
-    assert torch.equal(trainer._terms["kl"][0], trainer._terms["kl"][1])
+    ce_beyond, kl = loss_terms(trainer, batch)
+    ce_everywhere, same_kl = loss_terms(trainer, batch, distill_only=False)
+    assert 0 < ce_beyond < ce_everywhere and torch.equal(kl, same_kl)
 
 
 def test_a_kl_weight_without_teacher_is_refused(tmp_path):
