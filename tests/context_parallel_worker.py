@@ -55,6 +55,9 @@ CASES = {
     # its kv heads to one per query head.
     "uneven_9_over_3_checkpointed": dict(model=dict(num_attention_heads=9, num_key_value_heads=3), batch="packed",
                                          B=2, checkpointing=True, path="uneven, local kv copy"),
+    # FSDP2 (`fully_shard` per decoder layer and at the root) over the same ranks: parameters sharded, gathered for
+    # each layer's forward and backward around the attention's all-to-alls, gradients reduce-scattered.
+    "fsdp2_sharded_checkpointed": dict(model={}, batch="packed", B=2, checkpointing=True, fsdp2=True),
 }
 
 
@@ -106,10 +109,22 @@ def run_case(case, group):
     ref.loss.backward()
 
     model.enable_context_parallel(group)
-    embeds = embed(batch["input_ids"]).detach().requires_grad_()
+    embeds = embed(batch["input_ids"]).detach().requires_grad_()  # before FSDP2 shards the embedding
+    if case.get("fsdp2"):
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     local = shard_batch({"inputs_embeds": embeds, **inputs}, group)
     out = model(**local, num_items_in_batch=token_count(local["shift_labels"], group))
     out.loss.backward()
+    # Read before any other forward: FSDP2 keeps the root's parameters unsharded after one, hiding their gradients.
+    grads = {"inputs_embeds": (embeds.grad, ref_embeds.grad)}
+    grads.update({name: (p.grad, dict(reference.named_parameters())[name].grad)
+                  for name, p in model.named_parameters() if p.grad is not None})
 
     cp = model.model.context_parallel
     path = "even" if cp.even else "uneven, local kv copy" if cp.kv_local_index is not None else "uneven"
@@ -124,13 +139,13 @@ def run_case(case, group):
     dist.all_reduce(alone_diff, op=dist.ReduceOp.MAX, group=group)
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=group)
-    grads = {"inputs_embeds": (embeds.grad, ref_embeds.grad)}
-    grads.update({name: (p.grad, dict(reference.named_parameters())[name].grad)
-                  for name, p in model.named_parameters() if p.grad is not None})
     missing = [name for name, p in reference.named_parameters() if (p.grad is None) != (name not in grads)]
     grad_diffs = {}
     for name, (grad, ref_grad) in grads.items():
-        dist.all_reduce(grad, group=group)
+        if hasattr(grad, "full_tensor"):  # FSDP2's shard of the mean over the ranks: gathered, times the ranks
+            grad = grad.full_tensor() * size
+        else:
+            dist.all_reduce(grad, group=group)
         grad_diffs[name] = max_diff(grad, ref_grad)
     worst = max(grad_diffs, key=grad_diffs.get)
     return {"logits": logits_diff.item(), "logits_without_exchange": alone_diff.item(),
