@@ -54,7 +54,7 @@ def cached_samples():
     original, cache = finetune.teacher_samples, {}
 
     def sample(args, source, run_dir):
-        key = (source, args.teacher_samples, args.sample_length, args.sample_batch_size)
+        key = (source, args.teacher_samples, args.sample_length, args.sample_batch_size, args.sample_temperature)
         if key not in cache:
             cache[key] = (original(args, source, run_dir), (run_dir / finetune.SAMPLES_FILE).read_bytes())
         documents, saved = cache[key]
