@@ -72,8 +72,13 @@ def test_full_finetuning_and_evaluation_run_as_two_invocations_within_a_time_bud
     root = llama_and_corpus
     run = root / "full"
     foxlm(["finetune", *finetune_args(root, "full", "--full", "--steps", "50", "--max-minutes", "1e-6",
-                                      "--skip-eval", "--no-token-shift")])
+                                      "--skip-eval", "--no-token-shift", "--distill-only", "--sample-temperature",
+                                      "0.7")])
     assert "budget ended training after 1 steps" in capsys.readouterr().out
+    # Every training position lies inside the original's context (128): with --distill-only the KL alone trains.
+    logged = [entry for entry in json.loads((run / "train_log.json").read_text()) if "loss" in entry]
+    assert logged and all(entry["ce"] == 0 and entry["kl"] > 0 for entry in logged), logged
+    assert "KL(original || FoX) of the next-token distributions alone" in (run / "fine-tuned" / "README.md").read_text()
     assert not json.loads((run / "fine-tuned" / "config.json").read_text())["use_k_shift"]
     assert not (run / "evaluation.json").exists() and not (run / "adapter").exists()
     # The fine-tuned folder is a complete model: it loads with the Auto classes and generates.
