@@ -3,7 +3,8 @@
 One run on one GPU, bf16, in parts (`--parts`; the first three by default, serving on request: it takes longest):
 - attention: one new token against a cache of L keys, batch B, 32 query / 8 KV heads, D = 64 and 128. Achieved HBM
   bandwidth = bytes of K and V read (2 * B * L * Hkv * D * 2) / time, for our kernel and for PyTorch SDPA
-  (`enable_gqa`) on the same (B, Hkv, L, D) cache (SDPA without the forget bias: what plain decoding costs).
+  (`enable_gqa`) on the same (B, Hkv, L, D) cache (SDPA without the forget bias: what plain decoding costs); times
+  of CUDA-graph replays, without the host's launch time.
 - launch: the decode kernel's launch configurations (keys per block, warps, pipeline stages, the default number of
   splits or twice it) at D = 64 and 128, L = 32k and 128k, B = 8 and 32, as bandwidth against SDPA on the same cache,
   each output checked against the default configuration's; on request only, what `_decode_launch`'s defaults come
@@ -92,6 +93,12 @@ def peak_bandwidth():
     return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
 
 
+def replay_ms(fn):
+    """Median milliseconds of `fn` replayed from a CUDA graph, as a decode step runs with the static cache: the host's
+    launch time stays out (a busy host stretched the launch-bound rows up to 3x when it was in)."""
+    return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
+
+
 def decode_inputs(B, L, D, Hq, Hkv):
     """q (B, 1, Hq, D), k and v (B, Hkv, L, D) bf16, gate sums c (B, Hq, L) fp32, random, on the GPU."""
     k = torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16)
@@ -107,16 +114,14 @@ def bench_launch(results, Hq=32, Hkv=8):
         q, k, v, c = decode_inputs(B, L, D, Hq, Hkv)
         args = (q, k.transpose(1, 2), v.transpose(1, 2), c.transpose(1, 2), D**-0.5)
         default = triton_forgetting_decode(*args)
-        ms = triton.testing.do_bench(lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k, v, enable_gqa=True),
-                                     warmup=5, rep=40, return_mode="median")
+        ms = replay_ms(lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k, v, enable_gqa=True))
         row = dict(D=D, L=L, B=B, sdpa_gbps=kv_bytes / ms / 1e6, configs=[])
         for block_n, num_warps, num_stages, split_factor in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4),
                                                                              (1, 2)):
             config = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                           num_splits=split_factor * _num_splits(B * Hkv, L, block_n, q.device))
             error = (triton_forgetting_decode(*args, **config).float() - default.float()).abs().max().item()
-            ms = triton.testing.do_bench(lambda: triton_forgetting_decode(*args, **config), warmup=5, rep=40,
-                                         return_mode="median")
+            ms = replay_ms(lambda: triton_forgetting_decode(*args, **config))
             row["configs"].append(dict(config, gbps=kv_bytes / ms / 1e6, max_abs_diff_from_default=error))
         best = max(row["configs"], key=lambda config: config["gbps"])
         print(f"D={D} L={L} B={B}: SDPA {row['sdpa_gbps']:.0f} GB/s, best {best}", flush=True)
@@ -145,7 +150,7 @@ def bench_attention(results):
 
                 row = dict(B=B, L=L, D=D, Hq=Hq, Hkv=Hkv, kv_gbytes=kv_bytes / 1e9)
                 for name, fn in (("fox", fox), ("sdpa", sdpa)):
-                    ms = triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
+                    ms = replay_ms(fn)
                     row[f"{name}_us"] = ms * 1e3
                     row[f"{name}_gbps"] = kv_bytes / ms / 1e6
                     row[f"{name}_pct_peak"] = 100 * kv_bytes / (ms * 1e-3) / peak if peak else None
