@@ -118,7 +118,8 @@ def test_text_generation_pipeline_equals_uncached_generation_with_either_padding
     ids = tokenizer(prompts[0], return_tensors="pt").input_ids  # the longest prompt is not padded
     for _ in range(5):
         ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
-    assert cached[0][0]["generated_text"] == tokenizer.decode(ids[0, -5:])
+    # the pipeline drops special tokens, which an untrained model may generate
+    assert cached[0][0]["generated_text"] == tokenizer.decode(ids[0, -5:], skip_special_tokens=True)
 
 
 def test_masked_tokens_after_the_prompt_are_refused_by_an_evicting_cache(make_model):
