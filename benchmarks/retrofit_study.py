@@ -32,6 +32,7 @@ RECIPES = {
     "transfer-qk-rank-32": ["--transfer-qk-rank", "32"],
     "distill-only": ["--distill-only"],
     "samples-t0.7": ["--sample-temperature", "0.7"],
+    "no-checkpointing": ["--no-gradient-checkpointing"],
 }
 
 
