@@ -225,7 +225,11 @@ def shard_batch(batch, group, pad_token_id=0):
     `token_count`, is its part of the single-process loss: their sum is that loss, and the sum of the ranks'
     gradients is its gradient (docs/context-parallel.md, "Loss and gradients").
     """
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    return slice_batch(batch, dist.get_rank(group), dist.get_world_size(group), pad_token_id)
+
+
+def slice_batch(batch, rank, size, pad_token_id=0):
+    """`shard_batch` for rank `rank` of a group of `size`, without the group (e.g. in a DataLoader worker)."""
     tokens = batch.get("input_ids", batch.get("inputs_embeds"))
     if tokens is None:
         raise ValueError("shard_batch needs `input_ids` or `inputs_embeds` in the batch.")

@@ -8,9 +8,11 @@ import torch
 import torch.distributed as dist
 from peft import LoraConfig
 from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+from accelerate.data_loader import BatchSamplerShard
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import has_length
 
-from .context_parallel import shard_batch
+from .context_parallel import slice_batch
 
 # LLaMA's projections: LoRA adapts these. Registered for model_type "fox", so that
 # `get_peft_model(model, LoraConfig(...))` without `target_modules` picks the same projections.
@@ -116,43 +118,31 @@ class TrainingBudget(TrainerCallback):
             control.should_training_stop = True
 
 
-class ContextParallelBatches:
-    """A training dataloader for context parallelism: each rank's dataloader gives it its own batches (data
-    parallelism over all ranks, as `Trainer` and accelerate shard them); per batch, the ranks of a context-parallel
-    group exchange theirs and then all train on each of them in turn, every rank on its slice (`shard_batch`). The
-    adapter drops and repeats no batch, and an epoch has `group size` times as many steps. Batches go over the group
-    on the CPU (a few integers per token)."""
+class ContextParallelCollator:
+    """A data collator for context parallelism: this rank's slice (`slice_batch`) of each batch that `collator`
+    makes. The rank and group size are read once, so that it also runs in DataLoader worker processes."""
 
-    def __init__(self, dataloader, group, pad_token_id=0):
-        self.dataloader, self.group, self.pad_token_id = dataloader, group, pad_token_id
+    def __init__(self, collator, group, pad_token_id=0):
+        self.collator, self.pad_token_id = collator, pad_token_id
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
 
-    def __len__(self):
-        return len(self.dataloader) * dist.get_world_size(self.group)
-
-    def __iter__(self):
-        for batch in self.dataloader:
-            device = next(v.device for v in batch.values() if isinstance(v, torch.Tensor))
-            batches = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(batches, {k: v.cpu() if isinstance(v, torch.Tensor) else v
-                                             for k, v in batch.items()}, group=self.group)
-            for whole in batches:
-                local = shard_batch(whole, self.group, self.pad_token_id)
-                yield {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in local.items()}
-
-    def __getattr__(self, name):  # set_epoch, sampler, ... of the wrapped dataloader
-        return getattr(self.dataloader, name)
+    def __call__(self, features):
+        return slice_batch(self.collator(features), self.rank, self.size, self.pad_token_id)
 
 
 class ContextParallelTrainer(Trainer):
     """`Trainer` with FoX context parallelism over groups of `context_parallel_size` consecutive ranks (a
     (data, context) DeviceMesh over all processes): `Trainer(..., context_parallel_size=2)` under `torchrun` or
-    `accelerate launch`. The model (FoX, or PEFT around it) is switched with `enable_context_parallel`; training
-    batches come through `ContextParallelBatches`. DDP or FSDP2 keep working over all processes: with
-    `average_tokens_across_devices` (the default) Trainer divides every rank's summed loss by the token count of all
-    ranks and scales it by their number, so that averaging the gradients over all ranks gives the gradient of the
-    whole batch's loss (docs/context-parallel.md). accelerate's own `ParallelismConfig(sp_size/cp_size)` runs
-    DeepSpeed's Ulysses or PyTorch's ring attention over SDPA, neither of which takes FoX's attention.
+    `accelerate launch`. The model (FoX, or PEFT around it) is switched with `enable_context_parallel`. As accelerate
+    does for its own context parallelism, the training batches are sharded over the data-parallel groups only: the
+    ranks of a group read the same batches, and `ContextParallelCollator` gives each its slice. So `Trainer`'s own
+    dataloader stays in place, and resuming mid-epoch skips the right batches. DDP or FSDP2 keep working over all
+    processes: with `average_tokens_across_devices` (the default) Trainer divides every rank's summed loss by the
+    token count of all ranks and scales it by their number, so that averaging the gradients over all ranks gives the
+    gradient of the whole batch's loss (docs/context-parallel.md). accelerate's own `ParallelismConfig(sp_size/cp_size)`
+    runs DeepSpeed's Ulysses or PyTorch's ring attention over SDPA, neither of which takes FoX's attention.
 
+    The training dataset must have a length (map-style): the groups' shares come from accelerate's batch sampler.
     Evaluation inside Trainer is not supported (its loop gathers logits and averages per-rank mean losses); it
     raises rather than evaluate whole sequences as slices."""
 
@@ -168,11 +158,24 @@ class ContextParallelTrainer(Trainer):
         mesh = init_device_mesh(self.args.device.type, (world // context_parallel_size, context_parallel_size),
                                 mesh_dim_names=("dp", "cp"))
         self.context_parallel_group = mesh["cp"].get_group()
+        self.data_parallel_rank, self.data_parallel_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
         self.model.enable_context_parallel(self.context_parallel_group)
+        pad = getattr(self.model.config, "pad_token_id", None) or 0
+        self.data_collator = ContextParallelCollator(self.data_collator, self.context_parallel_group, pad)
 
     def get_train_dataloader(self):
-        pad = getattr(self.model.config, "pad_token_id", None) or 0
-        return ContextParallelBatches(super().get_train_dataloader(), self.context_parallel_group, pad)
+        if self.train_dataset is not None and not has_length(self.train_dataset):
+            raise ValueError("ContextParallelTrainer needs a train_dataset with a length (map-style): the ranks of a "
+                             "context-parallel group must read the same batches, which accelerate's batch sampler "
+                             "assigns.")
+        dataloader = super().get_train_dataloader()
+        shard = next((s for s in (dataloader.batch_sampler, dataloader.sampler) if isinstance(s, BatchSamplerShard)),
+                     None)
+        if shard is not None:  # one process has none
+            # accelerate shards batches over every process; here the ranks of a group share theirs (what
+            # accelerate's prepare_data_loader does for a "cp" mesh dimension).
+            shard.num_processes, shard.process_index = self.data_parallel_size, self.data_parallel_rank
+        return dataloader
 
     def get_eval_dataloader(self, eval_dataset=None):
         raise NotImplementedError(

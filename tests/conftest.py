@@ -84,6 +84,19 @@ def save_llama_and_corpus(root, **llama_overrides):
     return root
 
 
+def kill_after_checkpoint(step):
+    """A Trainer callback that stops a run as a kill would (KeyboardInterrupt), right after checkpoint `step` is on
+    disk."""
+    from transformers import TrainerCallback
+
+    class KillAfterCheckpoint(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                raise KeyboardInterrupt(f"killed after checkpoint-{step}")
+
+    return KillAfterCheckpoint()
+
+
 def finetune_args(root, run, *extra):
     """`foxlm finetune` options for a tiny run on the model and corpus of `save_llama_and_corpus`."""
     return ["--model", str(root / "llama"), "--output-dir", str(root / run), "--text-files",

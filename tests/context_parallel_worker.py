@@ -157,14 +157,17 @@ def run_case(case, group):
 
 
 def trainer_case(output_dir):
-    """ContextParallelTrainer over both processes (one context-parallel group) against the same SGD steps in one
-    process, on the same packed batches in the same order."""
+    """ContextParallelTrainer against the same SGD steps in one process, on the same packed batches in the same order.
+    Two processes: one context-parallel group, two examples a batch. Four: two groups of two (data parallelism over
+    the groups), one example a batch, the groups' two batches of a step being the one process's two examples."""
     from torch.utils.data import SequentialSampler
     from transformers import DataCollatorWithFlattening, TrainingArguments
 
     from foxlm.training import ContextParallelTrainer
 
-    class InOrder(ContextParallelTrainer):  # batch i on process i % 2: the group trains batches 0, 1, 2, ... in turn
+    groups = dist.get_world_size() // 2
+
+    class InOrder(ContextParallelTrainer):  # batches in order; accelerate gives batch i to group i % groups
         def _get_train_sampler(self, *args, **kwargs):
             return SequentialSampler(self.train_dataset)
 
@@ -185,7 +188,8 @@ def trainer_case(output_dir):
         reference_losses.append(loss.item())
 
     optimizer = sgd(model)
-    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2, max_steps=steps, logging_steps=1,
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2 // groups, max_steps=steps,
+                             logging_steps=1,
                              max_grad_norm=0.0, report_to=[], use_cpu=True, save_strategy="no", seed=0)
     trainer = InOrder(model=model, args=args, train_dataset=examples, data_collator=collator,
                       optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)),
@@ -207,11 +211,9 @@ def error_of(build, group, kind=ValueError):
     return None
 
 
-def main(result_path):
-    dist.init_process_group("gloo")
+def all_cases(trainer_dir):
     group = dist.group.WORLD
     results = {name: run_case(case, group) for name, case in CASES.items()}
-
     results["errors"] = {
         "heads": error_of(lambda g: tiny_model(num_attention_heads=1, num_key_value_heads=1).enable_context_parallel(g),
                           group),
@@ -222,7 +224,14 @@ def main(result_path):
         "cache": error_of(lambda g: tiny_model().enable_context_parallel(g)(
             input_ids=torch.ones(1, 4, dtype=torch.long), use_cache=True), group),
     }
-    results["trainer"] = trainer_case(sys.argv[2])
+    results["trainer"] = trainer_case(trainer_dir)
+    return results
+
+
+def main(result_path, trainer_dir):
+    dist.init_process_group("gloo")
+    # Four processes: two context-parallel groups of two, for the trainer case alone.
+    results = {"trainer": trainer_case(trainer_dir)} if dist.get_world_size() == 4 else all_cases(trainer_dir)
     if dist.get_rank() == 0:
         with open(result_path, "w") as f:
             json.dump(results, f, indent=1)
@@ -230,4 +239,4 @@ def main(result_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -4,7 +4,8 @@ It checks `teacher_on_slice` on packed documents against the teacher on the whol
 finetune` for the case RECORDED of CASES with context parallelism over both processes, recording each micro-batch's
 next-token and KL terms of every rank (`record_terms`). Rank 0 writes the results to the JSON path given as
 argument; the test runs the same case in one process and compares. (The other case the test launches directly:
-`torchrun -m foxlm.cli finetune`.)
+`torchrun -m foxlm.cli finetune`.) With `--killed-after STEP ARGUMENTS` it runs `foxlm finetune ARGUMENTS` and stops
+every rank as a kill would, right after checkpoint STEP is saved.
 """
 
 import contextlib
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from conftest import finetune_args
+from conftest import finetune_args, kill_after_checkpoint
 
 from foxlm import distillation
 from foxlm.cli import main as foxlm
@@ -93,6 +94,18 @@ def packed_teacher_case():
             "kl_positions": [int(p[2]) for p in parts]}
 
 
+def killed_run(step, arguments):
+    """`foxlm finetune ARGUMENTS` on every rank, stopped as a kill would stop it right after checkpoint STEP."""
+    trainer_class = distillation.ContextParallelDistillationTrainer
+
+    class KilledTrainer(trainer_class):
+        def __init__(self, *args, callbacks, **kwargs):
+            super().__init__(*args, callbacks=[*callbacks, kill_after_checkpoint(step)], **kwargs)
+
+    distillation.ContextParallelDistillationTrainer = KilledTrainer
+    foxlm(["finetune", *arguments])
+
+
 def main(result_path, root):
     dist.init_process_group("gloo")  # foxlm finetune takes it (the test's direct torchrun launch has it start one)
     results = {"packed_teacher": packed_teacher_case()}
@@ -105,4 +118,7 @@ def main(result_path, root):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "--killed-after":  # --killed-after STEP FINETUNE_ARGUMENTS...
+        killed_run(int(sys.argv[2]), sys.argv[3:])
+    else:
+        main(sys.argv[1], sys.argv[2])

@@ -16,17 +16,20 @@ from foxlm.context_parallel import check_head_split, head_splits, kv_head_ranges
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("context_parallel")
+def run_worker(tmp_path, processes):
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "tests" / "context_parallel_worker.py"), str(tmp_path / "result.json"),
-                           str(tmp_path / "trainer")],
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(processes), str(ROOT / "tests" / "context_parallel_worker.py"),
+                           str(tmp_path / "result.json"), str(tmp_path / "trainer")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return json.loads((tmp_path / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_worker(tmp_path_factory.mktemp("context_parallel"), 2)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -82,6 +85,16 @@ def test_trainer_with_context_parallelism_trains_like_one_process(results):
     assert len(result["losses"]) == 3
     assert max(abs(a - b) for a, b in zip(result["losses"], result["reference_losses"])) < 1e-5
     assert result["params"] < 1e-5
-    # 3 batches, evened out by accelerate to 2 per process; the group trains each process's batches in turn.
-    assert result["batches_per_epoch"] == 4
+    # One group: both processes read all 3 batches, none repeated (accelerate would even out 3 batches over 2
+    # data-parallel processes by repeating one).
+    assert result["batches_per_epoch"] == 3
     assert "does not evaluate" in result["eval_error"]
+
+
+def test_trainer_with_two_context_parallel_groups_trains_like_one_process(tmp_path):
+    # Four processes: two groups of two, each reading one of a step's two batches.
+    result = run_worker(tmp_path, 4)["trainer"]
+    assert len(result["losses"]) == 3
+    assert max(abs(a - b) for a, b in zip(result["losses"], result["reference_losses"])) < 1e-5
+    assert result["params"] < 1e-5
+    assert result["batches_per_epoch"] == 3  # 6 one-example batches over 2 groups

@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import save_llama_and_corpus
 from finetune_context_parallel_worker import CASES, RECORDED, case_args, record_terms
+from safetensors.torch import load_file
 
 from foxlm.cli import main as foxlm
 
@@ -34,20 +36,22 @@ def run_folder(llama, name):
     return root
 
 
-def torchrun(root, *command):
+WORKER = str(ROOT / "tests" / "finetune_context_parallel_worker.py")
+
+
+def torchrun(root, *command, returncode=0):
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            *command], cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert done.returncode == returncode, done.stdout[-3000:] + done.stderr[-6000:]
     return done.stdout
 
 
 @pytest.fixture(scope="module")
 def two_processes(llama):
     root = run_folder(llama, "two")
-    out = torchrun(root, str(ROOT / "tests" / "finetune_context_parallel_worker.py"), str(root / "result.json"),
-                   str(root))
+    out = torchrun(root, WORKER, str(root / "result.json"), str(root))
     out += torchrun(root, "-m", "foxlm.cli", "finetune", *case_args(root, LAUNCHED))
     return root, json.loads((root / "result.json").read_text()), out
 
@@ -109,6 +113,21 @@ def test_rank_zero_alone_samples_saves_and_evaluates_a_model_that_runs_whole_seq
     assert json.loads((run / "fine-tuned" / "config.json").read_text())["use_cache"] is True
     assert (root / LAUNCHED / "fine-tuned" / "model.safetensors").exists()
     assert not (root / LAUNCHED / "evaluation.json").exists()  # --skip-eval
+
+
+def test_a_run_killed_under_torchrun_resumes_to_the_uninterrupted_runs_weights(llama, two_processes):
+    # The launched case: full fine-tuning, 2 steps. Killed after its first checkpoint, then resumed: Trainer skips the
+    # batches of step 1 (mid-epoch), which must stay split over the ranks.
+    root = run_folder(llama, "killed")
+    arguments = [*case_args(root, LAUNCHED), "--save-steps", "1"]
+    torchrun(root, WORKER, "--killed-after", "1", *arguments, returncode=1)
+    assert [p.name for p in (root / LAUNCHED / "checkpoints").iterdir()] == ["checkpoint-1"]
+    torchrun(root, "-m", "foxlm.cli", "finetune", *arguments, "--resume")
+    whole = load_file(two_processes[0] / LAUNCHED / "fine-tuned" / "model.safetensors")
+    resumed = load_file(root / LAUNCHED / "fine-tuned" / "model.safetensors")
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[key], resumed[key]) for key in whole)
+    assert step_losses(root / LAUNCHED) == step_losses(two_processes[0] / LAUNCHED)
 
 
 def test_settings_that_cannot_split_are_refused_before_any_work(llama, monkeypatch):

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import finetune_args, save_llama_and_corpus
+from conftest import finetune_args, kill_after_checkpoint, save_llama_and_corpus
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from foxlm import distillation
 
@@ -124,17 +124,6 @@ def test_resuming_a_run_whose_training_ended_trains_no_more_and_saves_the_same_m
     assert first.keys() == again.keys() and all(torch.equal(first[key], again[key]) for key in first)
 
 
-class KillAfterCheckpoint(TrainerCallback):
-    """Stops a run as a kill would, right after checkpoint `step` is on disk."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            raise KeyboardInterrupt(f"killed after checkpoint-{self.step}")
-
-
 @pytest.mark.parametrize("mode", [[], ["--full"]], ids=["lora", "full"])
 def test_a_killed_run_resumed_ends_bit_identical_to_an_uninterrupted_one(llama_and_corpus, monkeypatch, mode):
     root = llama_and_corpus
@@ -144,7 +133,7 @@ def test_a_killed_run_resumed_ends_bit_identical_to_an_uninterrupted_one(llama_a
     with monkeypatch.context() as patch:
         class KilledTrainer(DistillationTrainer):
             def __init__(self, *args, callbacks, **kwargs):
-                super().__init__(*args, callbacks=[*callbacks, KillAfterCheckpoint(2)], **kwargs)
+                super().__init__(*args, callbacks=[*callbacks, kill_after_checkpoint(2)], **kwargs)
 
         patch.setattr(distillation, "DistillationTrainer", KilledTrainer)
         with pytest.raises(SystemExit) as stop:  # foxlm ends on Ctrl-C with exit status 130
