@@ -5,11 +5,16 @@
 Every recipe runs the whole job (conversion with or without attention transfer, fine-tuning, evaluation on the
 held-out domains with top-1 agreement and the needle test) in DIR/<recipe>, with `--max-minutes` as its training
 budget; the documents are tokenized once for all. The summaries (each run's summary.json) go to
-benchmarks/results/retrofit_study_<device>_<date>.json, and a Markdown table of the headline numbers is printed.
+benchmarks/results/retrofit_study_<device>_<date>_<recipes>.json, and a Markdown table of the headline numbers is
+printed. With `--gpus 0,1,2,3` the recipes run at the same time, one per GPU (each in its own process, its output in
+DIR/<recipe>.log; a GPU takes the next recipe when one ends), and one JSON holds them all.
 """
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -98,29 +103,10 @@ def table(runs):
     return "\n".join(lines)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipes", default="default,no-kl,no-transfer,kl-3",
-                        help=f"comma-separated, of {', '.join(RECIPES)} (default: %(default)s)")
-    parser.add_argument("--minutes", type=float, default=2.0, help="training budget of each recipe")
-    parser.add_argument("--model", default=None, help="source model (default: finetune's)")
-    parser.add_argument("--output-dir", default="retrofit-study", help="where the runs go")
-    parser.add_argument("--results", default=str(Path(__file__).parent / "results"), help="where the JSON goes")
-    parser.add_argument("finetune_args", nargs=argparse.REMAINDER,
-                        help="after --: options given to every recipe (e.g. -- --eval-length 16384)")
-    args = parser.parse_args()
-    recipes = args.recipes.split(",")
-    unknown = [r for r in recipes if r not in RECIPES]
-    if unknown:
-        parser.error(f"--recipes: unknown {', '.join(unknown)}; choose from {', '.join(RECIPES)}")
-    common = [a for a in args.finetune_args if a != "--"] + (["--model", args.model] if args.model else [])
+def run_recipes(recipes, args, common, save):
+    """Each recipe in turn in this process; `save(runs)` after each."""
     finetune.load_documents = cached_documents()
     finetune.teacher_samples = cached_samples()
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    # The recipes in the name: studies started in the same minute (one per GPU) keep their own files.
-    path = Path(args.results) / (f"retrofit_study_{device.replace(' ', '_')}_{time.strftime('%Y%m%d-%H%M')}_"
-                                 f"{'+'.join(recipes)}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
     runs = {}
     for name in recipes:
         run_dir = Path(args.output_dir) / name
@@ -131,9 +117,79 @@ def main():
         runs[name] = {"options": options, "seconds": round(time.time() - start, 1),
                       "summary": json.loads((run_dir / "summary.json").read_text())}
         print(table(runs))
-        path.write_text(json.dumps({"device": device, "torch": torch.__version__, "minutes": args.minutes,
-                                    "runs": runs, "table": table(runs)}, indent=2) + "\n")  # after every recipe
+        save(runs)
+    return runs
+
+
+def run_recipes_on_gpus(recipes, args, gpus, save):
+    """Each recipe in a process of its own (this script, one recipe), one per GPU at a time."""
+    output = Path(args.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    pending, running, runs = list(recipes), {}, {}
+    while pending or running:
+        for gpu in [g for g in gpus if g not in running and pending]:
+            name = pending.pop(0)
+            command = [sys.executable, __file__, "--recipes", name, "--minutes", str(args.minutes),
+                       "--output-dir", str(output), "--results", str(output / f"{name}.result"),
+                       *(["--model", args.model] if args.model else []), "--", *args.finetune_args]
+            log = open(output / f"{name}.log", "w")
+            print(f"{name}: GPU {gpu}, output in {log.name}")
+            running[gpu] = (name, log, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                                       env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)))
+        time.sleep(5)
+        for gpu, (name, log, process) in list(running.items()):
+            if process.poll() is None:
+                continue
+            log.close()
+            del running[gpu]
+            if process.returncode:
+                print(f"{name} failed (exit status {process.returncode}); see {log.name}")
+                continue
+            result = next((output / f"{name}.result").glob("retrofit_study_*.json"))
+            runs[name] = {**json.loads(result.read_text())["runs"][name], "gpu": gpu}
+            print(table(runs))
+            save(runs)
+    return runs
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipes", default="default,no-kl,no-transfer,kl-3",
+                        help=f"comma-separated, of {', '.join(RECIPES)} (default: %(default)s)")
+    parser.add_argument("--minutes", type=float, default=2.0, help="training budget of each recipe")
+    parser.add_argument("--model", default=None, help="source model (default: finetune's)")
+    parser.add_argument("--output-dir", default="retrofit-study", help="where the runs go")
+    parser.add_argument("--results", default=str(Path(__file__).parent / "results"), help="where the JSON goes")
+    parser.add_argument("--gpus", default=None, metavar="LIST",
+                        help="comma-separated CUDA device indices: run the recipes at the same time, one per GPU "
+                             "(GPUs of one host share its CPUs and memory bandwidth; the JSON says which ran where)")
+    parser.add_argument("finetune_args", nargs=argparse.REMAINDER,
+                        help="after --: options given to every recipe (e.g. -- --eval-length 16384)")
+    args = parser.parse_args()
+    args.finetune_args = [a for a in args.finetune_args if a != "--"]
+    recipes = args.recipes.split(",")
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        parser.error(f"--recipes: unknown {', '.join(unknown)}; choose from {', '.join(RECIPES)}")
+    gpus = args.gpus.split(",") if args.gpus else None
+    if gpus is not None and (len(set(gpus)) != len(gpus) or not all(g.isdigit() for g in gpus)):
+        parser.error(f"--gpus: give distinct CUDA device indices such as 0,1,2,3, not {args.gpus!r}")
+    common = [*args.finetune_args, *(["--model", args.model] if args.model else [])]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    # The recipes in the name: studies started in the same minute keep their own files.
+    path = Path(args.results) / (f"retrofit_study_{device.replace(' ', '_')}_{time.strftime('%Y%m%d-%H%M')}_"
+                                 f"{'+'.join(recipes)}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(runs):  # after every recipe
+        record = {"device": device, "torch": torch.__version__, "minutes": args.minutes, "gpus": gpus, "runs": runs,
+                  "table": table(runs)}
+        path.write_text(json.dumps(record, indent=2) + "\n")
+
+    runs = run_recipes_on_gpus(recipes, args, gpus, save) if gpus else run_recipes(recipes, args, common, save)
     print(f"\n{table(runs)}\n\nwrote {path}")
+    if len(runs) < len(recipes):
+        sys.exit(f"{len(recipes) - len(runs)} of {len(recipes)} recipes failed")
 
 
 if __name__ == "__main__":
