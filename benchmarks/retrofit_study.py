@@ -38,6 +38,8 @@ RECIPES = {
     "distill-only": ["--distill-only"],
     "samples-t0.7": ["--sample-temperature", "0.7"],
     "no-checkpointing": ["--no-gradient-checkpointing"],
+    "lr-1e-3": ["--lr", "1e-3"],
+    "context-4k": ["--context", "4096"],
 }
 
 
