@@ -1,5 +1,5 @@
 """Token counts of foxlm.data's corpora with SmolLM2's tokenizer: each corpus's training and held-out files, the
-default training mix, and how many held-out documents of 8k, 16k and 32k tokens each evaluation domain packs into.
+default training mix, and how many held-out documents of 8k, 16k and 32k tokens each domain packs into.
 
     python benchmarks/corpus_tokens.py        # writes benchmarks/results/corpus_tokens.json
 """
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from foxlm.data import CORPORA, DOMAINS, EVAL_DOMAINS, TRAINING_DOMAINS, corpus_split, smollm2_gguf_path
+from foxlm.data import CORPORA, DOMAINS, TRAINING_DOMAINS, corpus_split, smollm2_gguf_path
 
 
 def main():
@@ -36,8 +36,7 @@ def main():
     mix = sum(domains[d]["train"] for d in TRAINING_DOMAINS)
     for domain in DOMAINS:
         domains[domain]["share_of_training_mix"] = domains[domain]["train"] / mix if domain in TRAINING_DOMAINS else 0
-        if domain in EVAL_DOMAINS:
-            domains[domain]["held_out_documents"] = {n: domains[domain]["held_out"] // n for n in (8192, 16384, 32768)}
+        domains[domain]["held_out_documents"] = {n: domains[domain]["held_out"] // n for n in (8192, 16384, 32768)}
     result = {"tokenizer": gguf.name, "corpora": counts, "domains": domains, "training_mix_tokens": mix}
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(domains, indent=2), f"\nwrote {args.output}")

@@ -40,6 +40,7 @@ RECIPES = {
     "no-checkpointing": ["--no-gradient-checkpointing"],
     "lr-1e-3": ["--lr", "1e-3"],
     "context-4k": ["--context", "4096"],
+    "kernel-docs": ["--train-domains", "code,docs,kernel"],
 }
 
 

@@ -238,8 +238,8 @@ def add_convert_commands(commands):
 
 
 def documents_for_eval(args, tokenizer, length, data):
-    """Evaluation token id lists for one `--data` item: a domain of foxlm.data (code, docs, prose; stdlib = code:
-    its held-out files packed into `length`-token documents), a glob of text files or a `datasets` name (one
+    """Evaluation token id lists for one `--data` item: a domain of foxlm.data (code, docs, kernel, prose; stdlib =
+    code: its held-out files packed into `length`-token documents), a glob of text files or a `datasets` name (one
     document each, longest first; `--pack` packs them)."""
     from foxlm.data import DOMAIN_ALIASES, DOMAINS, held_out_documents, packed_documents, read_texts, text_files
     from foxlm.data import tokenize_documents
@@ -405,11 +405,12 @@ def add_eval_commands(commands):
             "--data", default=default,
             help=("comma-separated; each " if several else "") + "a domain of held-out text: code (the Python "
                  "standard library's files that fine-tuning holds out; 'stdlib' also works), docs (Python's "
-                 "documentation and the Linux man pages, held out likewise), prose (Jane Austen's novels, used "
-                 "nowhere in training), each packed into long documents; or a glob of text files, or a `datasets` "
+                 "documentation and the Linux man pages, held out likewise), kernel (the Linux kernel's "
+                 "documentation, held out likewise), prose (Jane Austen's novels, used nowhere in training), each "
+                 "packed into long documents; or a glob of text files, or a `datasets` "
                  "name (default: %(default)s)")
         parser.add_argument("--corpus-dir", default=None,
-                            help="read the docs and prose corpora from this folder (benchmarks/pack_corpus.py) "
+                            help="read the Debian corpora from this folder (benchmarks/pack_corpus.py) "
                                  "instead of the installed Debian packages (default: $FOXLM_CORPUS_DIR)")
         parser.add_argument("--split", default="validation", help="split of a `datasets` --data (default: %(default)s)")
         parser.add_argument("--text-column", default="text",

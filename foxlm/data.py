@@ -7,6 +7,8 @@ named by the `corpus_dir` argument or the FOXLM_CORPUS_DIR environment variable.
 - code: the Python standard library's own sources, from the running Python (no package needed);
 - docs: English technical documentation, Python's documentation (its reST sources, Debian's python3-doc) and the
   Linux man-pages project's pages (Debian's manpages and manpages-dev, rendered to text by groff);
+- kernel: the Linux kernel's documentation (its English reST sources, Debian's linux-doc), more English technical
+  prose, trained on only when asked (`training_texts(domains=...)`, `foxlm finetune --train-domains`);
 - prose: Jane Austen's six novels (Debian's r-cran-janeaustenr, read through Rscript): English narrative prose,
   used nowhere in training, the held-out domain that shows what a fine-tuned model kept of its general English.
 
@@ -98,13 +100,15 @@ CORPORA = {
     "python-docs": ("docs", ("python3-doc",)),
     "man-pages": ("docs", ("manpages", "manpages-dev", "groff-base")),
     "austen": ("prose", ("r-cran-janeaustenr",)),
+    "kernel-docs": ("kernel", ("linux-doc",)),
 }
 DOMAINS = {domain: tuple(c for c, (d, _) in CORPORA.items() if d == domain) for domain, _ in CORPORA.values()}
 DOMAIN_ALIASES = {"stdlib": "code"}
-TRAINING_DOMAINS = ("code", "docs")  # the default training text; every other domain is held out whole
+TRAINING_DOMAINS = ("code", "docs")  # the default training text
+HELD_OUT_DOMAINS = ("prose",)  # never trained on: every file held out
 EVAL_DOMAINS = ("code", "docs", "prose")
 # The corpora a GPU machine without a package registry needs carried (the standard library comes with Python).
-PACKED_CORPORA = ("python-docs", "man-pages", "austen")
+PACKED_CORPORA = ("python-docs", "man-pages", "austen", "kernel-docs")
 CORPUS_DIR_VARIABLE = "FOXLM_CORPUS_DIR"
 DEBIAN_PACKAGES = tuple(sorted({p for _, packages in CORPORA.values() for p in packages}))
 
@@ -119,17 +123,42 @@ def missing_corpus(corpus, what):
                              "`python benchmarks/pack_corpus.py` on a machine that has it")
 
 
+def newest(roots, what):
+    """The root whose name has the highest version numbers (python3.12 over python3.11, linux-doc-6.12 over -6.1)."""
+    return max(roots, key=lambda root: [int(n) for n in re.findall(r"\d+", what(root))])
+
+
 def python_docs_root():
     """The reST sources of the installed Python documentation (Debian's python3-doc): the newest Python's."""
     roots = {Path(p).resolve() for p in glob.glob("/usr/share/doc/python3*/html/_sources")}
     if not roots:
         raise missing_corpus("python-docs", "no /usr/share/doc/python3.X/html/_sources")
-    return max(roots, key=lambda root: [int(n) for n in re.findall(r"\d+", root.parent.parent.name)])
+    return newest(roots, lambda root: root.parent.parent.name)
 
 
 def python_docs_texts():
     root = python_docs_root()
     return {p.relative_to(root).as_posix(): p.read_text(errors="replace") for p in sorted(root.rglob("*.rst.txt"))}
+
+
+def kernel_docs_root():
+    """The kernel documentation's sources (Debian's linux-doc installs linux-doc-X.Y): the newest version's."""
+    roots = [Path(p) for p in glob.glob("/usr/share/doc/linux-doc-*/Documentation")]
+    if not roots:
+        raise missing_corpus("kernel-docs", "no /usr/share/doc/linux-doc-X.Y/Documentation")
+    return newest(roots, lambda root: root.parent.name)
+
+
+def kernel_docs_texts():
+    """The English reST pages (Debian gzips most of them); translations/ holds other languages' versions."""
+    root = kernel_docs_root()
+    texts = {}
+    for path in sorted([*root.rglob("*.rst"), *root.rglob("*.rst.gz")]):
+        if path.relative_to(root).parts[0] == "translations":
+            continue
+        data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        texts[path.relative_to(root).as_posix().removesuffix(".gz")] = data.decode(errors="replace")
+    return dict(sorted(texts.items()))
 
 
 MAN_ROOT = Path("/usr/share/man")
@@ -204,7 +233,8 @@ def austen_texts():
     return texts
 
 
-INSTALLED_READERS = {"python-docs": python_docs_texts, "man-pages": man_page_texts, "austen": austen_texts}
+INSTALLED_READERS = {"python-docs": python_docs_texts, "man-pages": man_page_texts, "austen": austen_texts,
+                     "kernel-docs": kernel_docs_texts}
 
 
 @functools.cache
@@ -235,6 +265,8 @@ def write_corpus(out, corpora=PACKED_CORPORA):
         packages = CORPORA[corpus][1]
         if corpus == "python-docs":  # python3-doc depends on the versioned package that holds the files
             packages += (f"{python_docs_root().parent.parent.name}-doc",)
+        if corpus == "kernel-docs":  # as linux-doc does
+            packages += (kernel_docs_root().parent.name,)
         manifest[corpus] = {"files": len(texts), "characters": sum(map(len, texts.values())),
                             "packages": {p: debian_version(p) for p in packages}}
     (out / "corpus.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -268,10 +300,10 @@ def corpus_texts(corpus, corpus_dir=None):
 
 
 def corpus_split(corpus, corpus_dir=None, eval_percent=EVAL_PERCENT):
-    """(train, held_out) {relative path: text} of a corpus, split by `is_held_out`; a corpus outside
-    `TRAINING_DOMAINS` (the prose) is held out whole."""
+    """(train, held_out) {relative path: text} of a corpus, split by `is_held_out`; a corpus of
+    `HELD_OUT_DOMAINS` (the prose) is held out whole."""
     texts = corpus_texts(corpus, corpus_dir)
-    if CORPORA[corpus][0] not in TRAINING_DOMAINS:
+    if CORPORA[corpus][0] in HELD_OUT_DOMAINS:
         return {}, texts
     held = {name for name in texts if is_held_out(name, eval_percent)}
     return ({n: t for n, t in texts.items() if n not in held}, {n: t for n, t in texts.items() if n in held})
@@ -285,8 +317,8 @@ def domain_name(domain):
 
 
 def domain_texts(domain, held_out, corpus_dir=None, eval_percent=EVAL_PERCENT):
-    """The training (held_out=False) or held-out texts of a domain ("code", "docs", "prose"; "stdlib" is "code"),
-    corpus by corpus, each sorted by path."""
+    """The training (held_out=False) or held-out texts of a domain ("code", "docs", "kernel", "prose"; "stdlib" is
+    "code"), corpus by corpus, each sorted by path."""
     return [text for corpus in DOMAINS[domain_name(domain)]
             for text in corpus_split(corpus, corpus_dir, eval_percent)[held_out].values()]
 

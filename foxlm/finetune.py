@@ -70,7 +70,8 @@ def parse_args(argv=None, prog=None):
         f"the Linux man pages; {EVAL_PERCENT}% of each corpus's files held out by a hash of their path), evaluated "
         "on the held-out files of each and on English prose used nowhere in training (Jane Austen's novels). The "
         "documentation and prose come from Debian packages (python3-doc, manpages, manpages-dev, groff-base, "
-        "r-cran-janeaustenr); docs/retrofit.md tells how to carry them to a machine without a package registry.")
+        "r-cran-janeaustenr; linux-doc for --train-domains ...,kernel); docs/retrofit.md tells how to carry them to a "
+        "machine without a package registry.")
     data.add_argument("--text-files", default=None, metavar="GLOB",
                       help="train on your own text files instead (`**` recurses); files are held out by a hash of "
                            "their path and evaluated as the domain 'held-out'")
@@ -78,10 +79,13 @@ def parse_args(argv=None, prog=None):
                       help=f"train on a `datasets` name with a text column instead: its train split, the first "
                            f"{EVAL_PERCENT}%% held out")
     data.add_argument("--text-column", default="text", help="text column of --dataset (default: %(default)s)")
+    data.add_argument("--train-domains", default=None, metavar="LIST",
+                      help="comma-separated domains whose training files make the default data, of code, docs and "
+                           "kernel (the Linux kernel's documentation: Debian's linux-doc) (default: code,docs)")
     data.add_argument("--eval-domains", default=None, metavar="LIST",
-                      help="comma-separated held-out domains to evaluate on, of code, docs, prose (default: all "
-                           "three with the default data; none besides your held-out files with --text-files or "
-                           "--dataset)")
+                      help="comma-separated held-out domains to evaluate on, of code, docs, kernel, prose "
+                           "(default: code, docs and prose with the default data; none besides your held-out files "
+                           "with --text-files or --dataset)")
     data.add_argument("--corpus-dir", default=None, metavar="DIR",
                       help="read the Debian corpora from this folder (written by benchmarks/pack_corpus.py) instead "
                            "of the installed packages (default: $FOXLM_CORPUS_DIR if set)")
@@ -193,6 +197,17 @@ def parse_args(argv=None, prog=None):
     if args.distill_only and not args.kl_weight:
         parser.error("--distill-only trains on the KL term alone inside the original's context: it needs a "
                      "--kl-weight above 0")
+    if args.train_domains is not None:
+        from foxlm.data import DOMAINS, HELD_OUT_DOMAINS
+
+        if args.text_files or args.dataset:
+            parser.error("--train-domains chooses among the default corpora; it does not go with --text-files or "
+                         "--dataset")
+        trainable = [d for d in DOMAINS if d not in HELD_OUT_DOMAINS]
+        unknown = [d for d in args.train_domains.split(",") if d not in trainable]
+        if unknown:
+            parser.error(f"--train-domains: {', '.join(map(repr, unknown))} is not a training domain; choose from "
+                         f"{', '.join(trainable)} ({', '.join(HELD_OUT_DOMAINS)} is never trained on)")
     if args.teacher_context is not None and args.teacher_context < 1:
         parser.error(f"--teacher-context must be at least 1, got {args.teacher_context}")
     return args
@@ -284,7 +299,7 @@ class Processes:
 def load_documents(args, tokenizer):
     """(training documents, {domain: held-out documents}) as token id lists, each document ending with EOS."""
     from foxlm.data import EVAL_DOMAINS, domain_texts, read_texts, split_files, text_files, tokenize_documents
-    from foxlm.data import training_texts
+    from foxlm.data import TRAINING_DOMAINS, training_texts
 
     held_out = {}
     if args.dataset:
@@ -300,7 +315,8 @@ def load_documents(args, tokenizer):
                      f"{len(train_paths) + len(eval_paths)} files; give more files")
         train_texts, held_out["held-out"] = read_texts(train_paths), read_texts(eval_paths)
     else:
-        train_texts = training_texts(corpus_dir=args.corpus_dir)
+        domains = args.train_domains.split(",") if args.train_domains else TRAINING_DOMAINS
+        train_texts = training_texts(domains, corpus_dir=args.corpus_dir)
     domains = args.eval_domains.split(",") if args.eval_domains else [] if held_out else list(EVAL_DOMAINS)
     for domain in domains:
         held_out[domain] = domain_texts(domain, True, args.corpus_dir)

@@ -56,7 +56,8 @@ def test_default_training_text_mixes_code_and_docs_and_holds_no_held_out_or_pros
 
 def test_corpora_are_keyed_by_their_path_relative_to_the_corpus_root_and_split_by_its_hash():
     for corpus, pattern in (("python-docs", r"([\w-]+/)*[\w.-]+\.rst\.txt"), ("man-pages", r"man\d/[\w.:+-]+\.\d\w*"),
-                            ("austen", r"[a-z]+\.txt"), ("stdlib", r"([\w.-]+/)*[\w.-]+\.py")):
+                            ("austen", r"[a-z]+\.txt"), ("stdlib", r"([\w.-]+/)*[\w.-]+\.py"),
+                            ("kernel-docs", r"([\w.,+-]+/)*[\w.,+-]+\.rst")):
         train, held_out = corpus_split(corpus)
         names = list(train) + list(held_out)
         assert names and all(re.fullmatch(pattern, name) for name in names), corpus
@@ -66,6 +67,17 @@ def test_corpora_are_keyed_by_their_path_relative_to_the_corpus_root_and_split_b
     assert "library/os.rst.txt" in corpus_texts("python-docs")
     assert "open, openat, creat - open and possibly create a file" in corpus_texts("man-pages")["man2/open.2"]
     assert corpus_texts("austen")["prideprejudice.txt"].count("Elizabeth") > 500
+    kernel = corpus_texts("kernel-docs")
+    assert "Linux kernel coding style" in kernel["process/coding-style.rst"]  # read from the gzipped source
+    assert not any(name.startswith("translations/") for name in kernel)
+
+
+def test_the_kernel_documentation_trains_only_when_asked():
+    default, with_kernel = training_texts(), training_texts(("code", "docs", "kernel"))
+    kernel = domain_texts("kernel", False)
+    assert len(kernel) > 1000 and not set(digests(default)) & set(digests(kernel))
+    assert digests(with_kernel) == digests(default + kernel)
+    assert not set(digests(with_kernel)) & set(digests(domain_texts("kernel", True)))
 
 
 def test_held_out_documents_of_each_domain_have_the_full_length():
@@ -117,6 +129,9 @@ def test_missing_corpora_name_the_apt_get_command(monkeypatch, tmp_path):
     monkeypatch.setattr(data.glob, "glob", lambda pattern: [])
     with pytest.raises(FileNotFoundError, match="apt-get install --no-install-recommends python3-doc"):
         data.python_docs_texts()
+    with pytest.raises(FileNotFoundError, match="no /usr/share/doc/linux-doc-X.Y/Documentation.*apt-get install "
+                                                "--no-install-recommends linux-doc"):
+        data.kernel_docs_texts()
     with pytest.raises(FileNotFoundError, match="manpages is not installed.*apt-get install --no-install-recommends "
                                                 "manpages manpages-dev groff-base"):
         data.man_page_files()

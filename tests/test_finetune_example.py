@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import finetune_args, kill_after_checkpoint, save_llama_and_corpus
+from conftest import byte_tokenizer, finetune_args, kill_after_checkpoint, save_llama_and_corpus
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -160,6 +160,23 @@ def test_bad_arguments_are_named_before_any_training(llama_and_corpus):
     with pytest.raises(SystemExit, match="--eval-length 100000"):
         foxlm(["finetune", *finetune_args(root, "too-long", "--eval-length", "100000")])
     assert not (root / "too-long" / "checkpoints").exists()
+
+
+def test_train_domains_choose_the_default_corpora_that_train(monkeypatch, capsys):
+    from foxlm import data, finetune
+
+    for arguments, message in ((["--train-domains", "code,prose"], "--train-domains: 'prose' is not a training "
+                                "domain; choose from code, docs, kernel (prose is never trained on)"),
+                               (["--train-domains", "code", "--text-files", "*.txt"], "does not go with --text-files")):
+        with pytest.raises(SystemExit):
+            finetune.parse_args(arguments)
+        assert message in capsys.readouterr().err
+    chosen = []
+    monkeypatch.setattr(data, "training_texts", lambda domains, corpus_dir=None: chosen.append(domains) or ["x"])
+    monkeypatch.setattr(data, "domain_texts", lambda domain, held_out, corpus_dir=None: ["y"])
+    for arguments, domains in (([], ("code", "docs")), (["--train-domains", "kernel,code"], ["kernel", "code"])):
+        finetune.load_documents(finetune.parse_args(["--eval-domains", "prose", *arguments]), byte_tokenizer())
+        assert list(chosen.pop()) == list(domains)
 
 
 def test_the_example_script_takes_the_same_options():
