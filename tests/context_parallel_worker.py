@@ -156,6 +156,11 @@ def run_case(case, group):
             "size": size, "path": path, "head_labels": head_labels(cp, model.config, case["B"], T_local)}
 
 
+class Stream(torch.utils.data.IterableDataset):  # a training dataset without a length
+    def __iter__(self):
+        yield {"input_ids": [5, 6, 7]}
+
+
 def trainer_case(output_dir):
     """ContextParallelTrainer against the same SGD steps in one process, on the same packed batches in the same order.
     Two processes: one context-parallel group, two examples a batch. Four: two groups of two (data parallelism over
@@ -200,7 +205,10 @@ def trainer_case(output_dir):
     return {"losses": losses, "reference_losses": reference_losses, "batches_per_epoch": len(
         trainer.get_train_dataloader()), "params": max(max_diff(p.detach(), reference_params[name].detach())
                                                        for name, p in model.named_parameters()),
-            "eval_error": error_of(lambda _: trainer.get_eval_dataloader(), None, NotImplementedError)}
+            "eval_error": error_of(lambda _: trainer.get_eval_dataloader(), None, NotImplementedError),
+            "iterable_error": error_of(lambda _: ContextParallelTrainer(
+                model=tiny_model(), args=args, train_dataset=Stream(), data_collator=collator,
+                context_parallel_size=2).get_train_dataloader(), None)}
 
 
 def error_of(build, group, kind=ValueError):

@@ -89,6 +89,7 @@ def test_trainer_with_context_parallelism_trains_like_one_process(results):
     # data-parallel processes by repeating one).
     assert result["batches_per_epoch"] == 3
     assert "does not evaluate" in result["eval_error"]
+    assert "needs a train_dataset with a length" in result["iterable_error"]
 
 
 def test_trainer_with_two_context_parallel_groups_trains_like_one_process(tmp_path):
