@@ -327,8 +327,9 @@ def run_needle(args):
     if len(haystack) < length:
         raise FoxlmError(f"--data {args.data} gives a haystack of {len(haystack)} tokens, fewer than the longest of "
                          f"--context-lengths ({length}); lower it or give more documents.")
-    scores = needle_in_a_haystack(model, tokenizer, haystack, args.context_lengths, args.depths)
-    summary = needle_summary(scores, args.context_lengths, args.depths)
+    scores, answers = needle_in_a_haystack(model, tokenizer, haystack, args.context_lengths, args.depths,
+                                           with_answers=True)
+    summary = needle_summary(scores, args.context_lengths, args.depths, answers)
     write_json({"model": str(args.model), "data": args.data, **summary}, json_path)
     plot_needle(scores, args.context_lengths, args.depths, png_path, title=f"Needle in a haystack: {args.model}")
     by_context = ", ".join(f"{c}: {a:.2f}" for c, a in summary["accuracy_by_context"].items())

@@ -315,10 +315,12 @@ NEEDLE_ANSWER = " eat a sandwich and sit in Dolores Park on a sunny day."
 
 
 @torch.no_grad()
-def needle_in_a_haystack(model, tokenizer, haystack_ids, context_lengths, depths, device=None):
+def needle_in_a_haystack(model, tokenizer, haystack_ids, context_lengths, depths, device=None, with_answers=False):
     """Easy-mode needle-in-a-haystack (Qin et al., 2024; the FoX paper's setting for models without instruction
     tuning): the needle is the question with its answer; the prompt ends with the question; a trial passes when
-    greedy decoding reproduces the answer. Returns a (len(depths), len(context_lengths)) array of 0/1 scores.
+    greedy decoding reproduces the answer. Returns a (len(depths), len(context_lengths)) array of 0/1 scores, and
+    with `with_answers` also the generated text of each trial (a nested list of the same shape): how a model fails
+    tells more than that it does.
 
     `haystack_ids`: a long token id list the filler is cut from.
     """
@@ -328,6 +330,7 @@ def needle_in_a_haystack(model, tokenizer, haystack_ids, context_lengths, depths
     answer = tokenizer(NEEDLE_ANSWER, add_special_tokens=False)["input_ids"]
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     scores = np.zeros((len(depths), len(context_lengths)))
+    answers = [[None] * len(context_lengths) for _ in depths]
     trials = [(d, c) for d in range(len(depths)) for c in range(len(context_lengths))]
     for d, c in tqdm(trials, desc="needle"):
         filler_length = context_lengths[c] - len(bos) - len(needle) - len(question)
@@ -338,9 +341,9 @@ def needle_in_a_haystack(model, tokenizer, haystack_ids, context_lengths, depths
         prompt = torch.tensor([bos + filler[:at] + needle + filler[at:] + question], device=device)
         generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=len(answer) + 2,
                                    do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        text = tokenizer.decode(generated[0, prompt.shape[1] :], skip_special_tokens=True)
-        scores[d, c] = float(NEEDLE_ANSWER.strip().rstrip(".") in text)
-    return scores
+        answers[d][c] = tokenizer.decode(generated[0, prompt.shape[1] :], skip_special_tokens=True)
+        scores[d, c] = float(NEEDLE_ANSWER.strip().rstrip(".") in answers[d][c])
+    return (scores, answers) if with_answers else scores
 
 
 def needle_haystack(tokenizer, length, domain="prose", corpus_dir=None):
@@ -351,13 +354,14 @@ def needle_haystack(tokenizer, length, domain="prose", corpus_dir=None):
     return held_out_documents(tokenizer, domain, length, num_docs=1, corpus_dir=corpus_dir)[0]
 
 
-def needle_summary(scores, context_lengths, depths):
-    """The JSON-ready result of `needle_in_a_haystack`: the score grid, the overall accuracy and the accuracy at each
-    context length (over depths)."""
+def needle_summary(scores, context_lengths, depths, answers=None):
+    """The JSON-ready result of `needle_in_a_haystack`: the score grid, the overall accuracy, the accuracy at each
+    context length (over depths) and, when given, the generated answers."""
     scores = np.asarray(scores)
-    return {"context_lengths": list(context_lengths), "depths": list(depths), "scores": scores.tolist(),
-            "accuracy": float(scores.mean()),
-            "accuracy_by_context": {str(c): float(scores[:, i].mean()) for i, c in enumerate(context_lengths)}}
+    summary = {"context_lengths": list(context_lengths), "depths": list(depths), "scores": scores.tolist(),
+               "accuracy": float(scores.mean()),
+               "accuracy_by_context": {str(c): float(scores[:, i].mean()) for i, c in enumerate(context_lengths)}}
+    return summary if answers is None else {**summary, "answers": answers}
 
 
 def plot_needle(scores, context_lengths, depths, path, title="Needle in a haystack (easy mode)"):

@@ -555,11 +555,11 @@ def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device):
     for label, source in {**originals, FINE_TUNED: fine_tuned_dir}.items():
         model, tokenizer = load_causal_lm(source, dtype=dtype, device=device)
         try:
-            scores = needle_in_a_haystack(model, tokenizer, haystack, lengths, depths)
+            scores, answers = needle_in_a_haystack(model, tokenizer, haystack, lengths, depths, with_answers=True)
         except ValueError as error:
             print(f"needle test skipped: {error}")
             return None
-        results[label] = needle_summary(scores, lengths, depths)
+        results[label] = needle_summary(scores, lengths, depths, answers)
         del model
     write_json({"haystack": domain, "models": results}, run_dir / "needle.json")
     for label, result in results.items():

@@ -128,6 +128,7 @@ def test_eval_needle_writes_a_score_grid_and_heatmap(saved_models):
     result = json.loads((out / "needle.json").read_text())
     assert np.array(result["scores"]).shape == (2, 2) and 0.0 <= result["accuracy"] <= 1.0
     assert list(result["accuracy_by_context"]) == ["400", "800"]
+    assert np.array(result["answers"]).shape == (2, 2)  # what the model generated in each trial
     assert (out / "needle.png").read_bytes()[:4] == b"\x89PNG"
 
 

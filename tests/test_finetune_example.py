@@ -51,7 +51,8 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
     assert set(summary["vs_original"]) == {"held-out", "prose"}
     assert all(0 <= v["top1_agreement"] <= 1 for v in summary["vs_original"].values())
     assert set(summary["needle"]) == {"original (RoPE)", "converted, fine-tuned"}
-    assert json.loads((run / "needle.json").read_text())["haystack"] == "prose"
+    needle = json.loads((run / "needle.json").read_text())
+    assert needle["haystack"] == "prose" and all(len(m["answers"]) == 5 for m in needle["models"].values())
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == f"plot: {run / 'evaluation.png'}"
     assert any(line.startswith("prose: fine-tuned vs original at positions < 128: loss ") for line in out)

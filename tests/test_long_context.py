@@ -246,6 +246,11 @@ def test_needle_scores_have_one_cell_per_depth_and_context(make_config):
     haystack = tokenizer("def f(x):\n    return x\n" * 40, add_special_tokens=False)["input_ids"]
     scores = needle_in_a_haystack(model, tokenizer, haystack, context_lengths=[300, 400], depths=[0.0, 0.5, 1.0])
     assert scores.shape == (3, 2) and set(np.unique(scores)) <= {0.0, 1.0}
+    again, answers = needle_in_a_haystack(model, tokenizer, haystack, [300, 400], [0.0, 0.5, 1.0], with_answers=True)
+    assert np.array_equal(again, scores) and [len(row) for row in answers] == [2, 2, 2]
+    assert all(isinstance(answer, str) and answer for row in answers for answer in row)
+    summary = needle_summary(again, [300, 400], [0.0, 0.5, 1.0], answers)
+    assert summary["answers"] == answers and json.loads(json.dumps(summary)) == summary
     with pytest.raises(ValueError, match="does not fit"):
         needle_in_a_haystack(model, tokenizer, haystack, context_lengths=[50], depths=[0.5])
 
