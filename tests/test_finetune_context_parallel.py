@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from conftest import save_llama_and_corpus
 from finetune_context_parallel_worker import CASES, RECORDED, case_args, record_terms
+from packaging.version import Version
 from safetensors.torch import load_file
 
 from foxlm.cli import main as foxlm
@@ -115,6 +117,9 @@ def test_rank_zero_alone_samples_saves_and_evaluates_a_model_that_runs_whole_seq
     assert not (root / LAUNCHED / "evaluation.json").exists()  # --skip-eval
 
 
+@pytest.mark.skipif(Version(transformers.__version__) < Version("5.18"),
+                    reason="transformers 5.17's Trainer loads the optimizer state of CPU processes with map_location "
+                           "'cpu:0', which torch cannot restore (fixed in 5.18; GPUs are unaffected)")
 def test_a_run_killed_under_torchrun_resumes_to_the_uninterrupted_runs_weights(llama, two_processes):
     # The launched case: full fine-tuning, 2 steps. Killed after its first checkpoint, then resumed: Trainer skips the
     # batches of step 1 (mid-epoch), which must stay split over the ranks.
