@@ -47,21 +47,38 @@ def fgate_cumsum_from_log_fgate(log_fgate, *, cu_seqlens=None, seq_start=None):
     return cumsum.transpose(1, 2)
 
 
+def _chunk_probabilities(q, k, cumsum_q, cumsum_k, key_valid, sm_scale, n_offset):
+    """Attention probabilities (B, Hkv, G, M, N) of a query chunk: softmax(q k^T * sm_scale + c_i - c_j) over the
+    visible keys (causal, the chunk's first query at key `n_offset`, and `key_valid` (B, N) unless None). q (B, Hkv,
+    G, M, D) and k (B, Hkv, N, D) in the compute dtype; cumsum_q (B, Hkv, G, M) and cumsum_k (B, Hkv, G, N) float64.
+
+    One GEMM per KV head for all of its query heads (q viewed as (G * M) rows: k is never expanded per query head),
+    with the decay bias as the GEMM's addend."""
+    B, Hkv, G, M, D = q.shape
+    N = k.shape[-2]
+    # Anchor the decay at the chunk's first query so that nearby entries keep full precision.
+    anchor = cumsum_q[..., :1]
+    bias = (cumsum_q - anchor).to(q.dtype)[..., :, None] - (cumsum_k - anchor).to(q.dtype)[..., None, :]
+    scores = torch.baddbmm(bias.reshape(B * Hkv, G * M, N), q.reshape(B * Hkv, G * M, D),
+                           k.reshape(B * Hkv, N, D).transpose(1, 2), alpha=sm_scale).view(B, Hkv, G, M, N)
+    causal = torch.arange(N, device=q.device)[None, :] <= torch.arange(n_offset, n_offset + M, device=q.device)[:, None]
+    if key_valid is None:  # every query sees at least itself: no empty rows
+        return torch.softmax(scores.masked_fill_(~causal, float("-inf")), dim=-1)
+    return masked_softmax(scores, causal[None, None, None] & key_valid[:, None, None, None, :])
+
+
 def _attend_chunk(q, k, v, cumsum_q, cumsum_k, key_valid, sm_scale):
     """Attention of one query chunk against keys 0..N-1, N aligned so the last query sees the last key.
 
-    q (B, Hkv, G, M, D), k/v (B, Hkv, 1, N, D), cumsum_q (B, Hkv, G, M), cumsum_k (B, Hkv, G, N), key_valid (B, N).
+    q (B, Hkv, G, M, D), k/v (B, Hkv, N, D), cumsum_q (B, Hkv, G, M), cumsum_k (B, Hkv, G, N), key_valid (B, N) or
+    None (no left padding).
     """
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
-    M, N = q.shape[-2], k.shape[-2]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * sm_scale
-    # Anchor the decay at the chunk's first query so that nearby entries keep full precision.
-    anchor = cumsum_q[..., :1]
-    bias = (cumsum_q - anchor).to(compute_dtype)[..., :, None] - (cumsum_k - anchor).to(compute_dtype)[..., None, :]
-    causal = torch.arange(N, device=q.device)[None, :] <= torch.arange(N - M, N, device=q.device)[:, None]
-    visible = causal[None, None, None] & key_valid[:, None, None, None, :]
-    return torch.matmul(masked_softmax(scores + bias, visible), v)
+    B, Hkv, G, M, _ = q.shape
+    N = k.shape[-2]
+    probs = _chunk_probabilities(q, k, cumsum_q, cumsum_k, key_valid, sm_scale, N - M)
+    return torch.bmm(probs.reshape(B * Hkv, G * M, N), v.reshape(B * Hkv, N, -1)).view(B, Hkv, G, M, -1)
 
 
 def _dense_forgetting_attention(q, k, v, cumsum, sm_scale, seq_start):
@@ -69,14 +86,12 @@ def _dense_forgetting_attention(q, k, v, cumsum, sm_scale, seq_start):
     Tk, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
     offset = Tk - Tq
-    # Grouped views: query heads of one KV head share K/V through broadcasting, nothing is repeated in memory.
+    # Grouped views: the query heads of one KV head share its K/V, nothing is repeated in memory.
     q = q.view(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4)
-    k = k.permute(0, 2, 1, 3).unsqueeze(2)
-    v = v.permute(0, 2, 1, 3).unsqueeze(2)
+    k = k.permute(0, 2, 1, 3)
+    v = v.permute(0, 2, 1, 3)
     cumsum = cumsum.view(B, Tk, Hkv, group).permute(0, 2, 3, 1)
-    key_valid = torch.ones(B, Tk, dtype=torch.bool, device=q.device)
-    if seq_start is not None:
-        key_valid = torch.arange(Tk, device=q.device)[None, :] >= seq_start[:, None]
+    key_valid = None if seq_start is None else torch.arange(Tk, device=q.device)[None, :] >= seq_start[:, None]
     chunk = max(1, _MAX_SCORES_PER_CHUNK // max(1, B * Hq * Tk))
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, cumsum))
     outputs = []
@@ -85,11 +100,11 @@ def _dense_forgetting_attention(q, k, v, cumsum, sm_scale, seq_start):
         n_keys = offset + end
         args = (
             q[:, :, :, start:end],
-            k[:, :, :, :n_keys],
-            v[:, :, :, :n_keys],
+            k[:, :, :n_keys],
+            v[:, :, :n_keys],
             cumsum[..., offset + start : offset + end],
             cumsum[..., :n_keys],
-            key_valid[:, :n_keys],
+            None if key_valid is None else key_valid[:, :n_keys],
             sm_scale,
         )
         if needs_grad:
@@ -154,12 +169,10 @@ def attention_backward_reference(do, q, k, v, c, sm_scale, seq_start):
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qg = q.to(dtype).view(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4)
     dog = do.to(dtype).view(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4)
-    kg = k.to(dtype).permute(0, 2, 1, 3).unsqueeze(2)
-    vg = v.to(dtype).permute(0, 2, 1, 3).unsqueeze(2)
+    kg = k.to(dtype).permute(0, 2, 1, 3).reshape(B * Hkv, Tk, D)
+    vg = v.to(dtype).permute(0, 2, 1, 3).reshape(B * Hkv, Tk, -1)
     cg = c.view(B, Hkv, group, Tk)
-    key_valid = torch.ones(B, Tk, dtype=torch.bool, device=q.device)
-    if seq_start is not None:
-        key_valid = torch.arange(Tk, device=q.device)[None, :] >= seq_start[:, None]
+    key_valid = None if seq_start is None else torch.arange(Tk, device=q.device)[None, :] >= seq_start[:, None]
     dq = torch.zeros_like(qg)
     dk = torch.zeros_like(kg)
     dv = torch.zeros_like(vg)
@@ -167,20 +180,22 @@ def attention_backward_reference(do, q, k, v, c, sm_scale, seq_start):
     chunk = max(1, 2**25 // max(1, B * Hq * Tk))
     for start in range(0, Tq, chunk):
         end = min(start + chunk, Tq)
-        n = offset + end
-        anchor = cg[..., offset + start : offset + start + 1]
-        bias = cg[..., offset + start : offset + end, None] - anchor[..., None]
-        bias = bias - (cg[..., None, :n] - anchor[..., None])
-        scores = torch.matmul(qg[:, :, :, start:end], kg[:, :, :, :n].transpose(-1, -2)) * sm_scale + bias.to(dtype)
-        causal = torch.arange(n, device=q.device)[None, :] <= torch.arange(offset + start, n, device=q.device)[:, None]
-        probs = masked_softmax(scores, causal[None, None, None] & key_valid[:, None, None, None, :n])
-        do_chunk = dog[:, :, :, start:end]
-        dp = torch.matmul(do_chunk, vg[:, :, :, :n].transpose(-1, -2))
+        M, n = end - start, offset + end
+        # The query heads of a KV head as (G * M) rows of one GEMM: K and V are never expanded per query head, and
+        # the products that sum over the query heads (dK, dV) do so inside the GEMM.
+        q_rows = qg[:, :, :, start:end].reshape(B * Hkv, group * M, D)
+        do_rows = dog[:, :, :, start:end].reshape(B * Hkv, group * M, -1)
+        probs = _chunk_probabilities(qg[:, :, :, start:end], kg[:, :n].view(B, Hkv, n, D), cg[..., offset + start:n],
+                                     cg[..., :n], None if key_valid is None else key_valid[:, :n], sm_scale,
+                                     offset + start).reshape(B * Hkv, group * M, n)
+        dp = torch.bmm(do_rows, vg[:, :n].transpose(1, 2))
         ds = probs * (dp - (probs * dp).sum(-1, keepdim=True))
-        dv[:, :, :, :n] += torch.matmul(probs.transpose(-1, -2), do_chunk).sum(2, keepdim=True)
-        dq[:, :, :, start:end] = torch.matmul(ds, kg[:, :, :, :n]) * sm_scale
-        dk[:, :, :, :n] += torch.matmul(ds.transpose(-1, -2), qg[:, :, :, start:end]).sum(2, keepdim=True) * sm_scale
+        dv[:, :n] += torch.bmm(probs.transpose(1, 2), do_rows)
+        dq[:, :, :, start:end] = torch.bmm(ds, kg[:, :n]).view(B, Hkv, group, M, D) * sm_scale
+        dk[:, :n] += torch.bmm(ds.transpose(1, 2), q_rows) * sm_scale
+        ds = ds.view(B, Hkv, group, M, n)
         dc[..., :n] -= ds.sum(-2).to(dc.dtype)
         dc[..., offset + start : offset + end] += ds.sum(-1).to(dc.dtype)
-    return (dq.permute(0, 3, 1, 2, 4).reshape(q.shape).to(q.dtype), dk.squeeze(2).transpose(1, 2).to(k.dtype),
-            dv.squeeze(2).transpose(1, 2).to(v.dtype), dc.reshape(B, Hq, Tk))
+    return (dq.permute(0, 3, 1, 2, 4).reshape(q.shape).to(q.dtype),
+            dk.view(B, Hkv, Tk, D).transpose(1, 2).to(k.dtype), dv.view(B, Hkv, Tk, -1).transpose(1, 2).to(v.dtype),
+            dc.reshape(B, Hq, Tk))
