@@ -315,8 +315,8 @@ def load_documents(args, tokenizer):
                      f"{len(train_paths) + len(eval_paths)} files; give more files")
         train_texts, held_out["held-out"] = read_texts(train_paths), read_texts(eval_paths)
     else:
-        domains = args.train_domains.split(",") if args.train_domains else TRAINING_DOMAINS
-        train_texts = training_texts(domains, corpus_dir=args.corpus_dir)
+        train_domains = args.train_domains.split(",") if args.train_domains else TRAINING_DOMAINS
+        train_texts = training_texts(train_domains, corpus_dir=args.corpus_dir)
     domains = args.eval_domains.split(",") if args.eval_domains else [] if held_out else list(EVAL_DOMAINS)
     for domain in domains:
         held_out[domain] = domain_texts(domain, True, args.corpus_dir)
