@@ -84,6 +84,22 @@ def save_llama_and_corpus(root, **llama_overrides):
     return root
 
 
+def torchrun(cwd, *command, processes=2, returncode=0, timeout=600):
+    """`python -m torch.distributed.run` with `processes` CPU processes (gloo) in `cwd`, foxlm and tests/ importable;
+    asserts its exit status and returns its standard output."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(processes), *command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == returncode, done.stdout[-3000:] + done.stderr[-6000:]
+    return done.stdout
+
+
 def kill_after_checkpoint(step):
     """A Trainer callback that stops a run as a kill would (KeyboardInterrupt), right after checkpoint `step` is on
     disk."""

@@ -2,13 +2,10 @@
 runs every case once under torchrun; each test reads its part of the result."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
+from conftest import torchrun
 from context_parallel_worker import CASES
 
 from foxlm.context_parallel import check_head_split, head_splits, kv_head_ranges
@@ -17,13 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_worker(tmp_path, processes):
-    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(processes), str(ROOT / "tests" / "context_parallel_worker.py"),
-                           str(tmp_path / "result.json"), str(tmp_path / "trainer")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    torchrun(tmp_path, str(ROOT / "tests" / "context_parallel_worker.py"), str(tmp_path / "result.json"),
+             str(tmp_path / "trainer"), processes=processes, timeout=300)
     return json.loads((tmp_path / "result.json").read_text())
 
 

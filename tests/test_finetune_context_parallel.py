@@ -3,15 +3,12 @@ process. Two launches: tests/finetune_context_parallel_worker.py (the teacher on
 next-token and KL terms it records on every rank), and `torchrun -m foxlm.cli finetune` itself."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from conftest import save_llama_and_corpus
+from conftest import save_llama_and_corpus, torchrun
 from finetune_context_parallel_worker import CASES, RECORDED, case_args, record_terms
 from packaging.version import Version
 from safetensors.torch import load_file
@@ -39,15 +36,6 @@ def run_folder(llama, name):
 
 
 WORKER = str(ROOT / "tests" / "finetune_context_parallel_worker.py")
-
-
-def torchrun(root, *command, returncode=0):
-    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           *command], cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == returncode, done.stdout[-3000:] + done.stderr[-6000:]
-    return done.stdout
 
 
 @pytest.fixture(scope="module")
