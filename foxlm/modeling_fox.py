@@ -544,6 +544,19 @@ class FoxModel(FoxPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwargs(cache))
 
 
+def _static_cache_prefill(cache, length):
+    """Whether a forward of `length` tokens on `cache` is a static FoX cache's prefill (or a chunk of it): anything
+    but one token on a filled cache."""
+    if not any(isinstance(layer, FoxStaticCacheLayer) for layer in getattr(cache, "layers", ())):
+        return False
+    return length > 1 or _filled_static_layer(cache) is None
+
+
+@torch.compiler.disable
+def _eager_call(model, **kwargs):
+    return model(**kwargs)
+
+
 def _filled_static_layer(cache):
     """The first layer of a static FoX cache that holds tokens, else None."""
     if cache is None or not cache.layers:
@@ -706,6 +719,14 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
             sequence indices (a 1-D tensor).
         """
         check_forward_kwargs(type(self).__name__, kwargs)
+        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        if torch.compiler.is_compiling() and _static_cache_prefill(cache, length):
+            # generate() runs the chunks of a chunked prefill through its compiled forward too; they run eagerly
+            # (what CUDA graphs store in the cache, the next replay would overwrite) and the graph stays the
+            # one-token decode step's.
+            return _eager_call(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=cache, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                               logits_to_keep=logits_to_keep, **kwargs)
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

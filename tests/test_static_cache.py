@@ -121,6 +121,34 @@ def test_crop_and_beam_search_on_a_static_cache_without_token_shift(make_model):
     torch.testing.assert_close(logits, model(ids).logits[:, 7:], rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_chunked_prefill_generates_what_the_dynamic_cache_generates(make_model):
+    """With `prefill_chunk_size`, generate() calls its compiled forward for the prompt's chunks too: they run eagerly
+    (in CUDA graphs, what they store in the cache would be overwritten by the next replay), and the decode step is
+    still the one graph, compiled once for both calls."""
+    from torch._dynamo.backends.registry import lookup_backend
+    from transformers import CompileConfig
+
+    model = make_model(acp_eps=1e-4)
+    ids, mask = left_padded_batch([21, 9, 16])
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, **GREEDY)
+    graphs = []
+
+    def counting_backend(graph, example_inputs):
+        graphs.append(graph)
+        return lookup_backend("aot_eager")(graph, example_inputs)
+
+    config = CompileConfig(backend=counting_backend, mode=None)
+    config._compile_all_devices = True  # generate() compiles on CUDA only by default
+    torch._dynamo.reset()
+    want = model.generate(ids, **kwargs)
+    for _ in range(2):
+        got = model.generate(ids, cache_implementation="static", compile_config=config, prefill_chunk_size=12,
+                             **kwargs)
+        assert torch.equal(got, want)
+    computing = [g for g in graphs if any(node.op.startswith("call") for node in g.graph.nodes)]
+    assert len(computing) == 1  # the decode step (before the chunks' graph break, dynamo leaves an empty graph)
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])  # triton: the decode kernel in Triton's interpreter
 def test_compiled_decoding_is_one_graph_compiled_once(make_model, backend):
     """generate()'s compile path (what it does on CUDA, here on the CPU): every decode step runs one full graph,

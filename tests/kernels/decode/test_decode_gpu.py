@@ -59,10 +59,13 @@ def test_static_cache_length_on_gpu_matches_float64():
     assert rel_error(out, naive_decode(q, k, v, c, seq_start=seq_start)) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.parametrize("prefill_chunk_size", [None, 128])
 @pytest.mark.parametrize("overrides", [{}, dict(acp_eps=1e-4, qk_norm=False), dict(decode_kv_eviction=True)])
-def test_compiled_static_generate_equals_eager_generate_on_gpu(make_model, overrides):
+def test_compiled_static_generate_equals_eager_generate_on_gpu(make_model, overrides, prefill_chunk_size):
     """generate()'s own compile path on CUDA (reduce-overhead: CUDA graphs), one graph compiled once, the Triton
-    decode kernel inside, against the eager dynamic cache: the same greedy tokens in fp32."""
+    decode kernel inside, against the eager dynamic cache: the same greedy tokens in fp32. With
+    `prefill_chunk_size` generate() calls the compiled forward for the prompt's chunks too (they run eagerly: a
+    graph break, so not under fullgraph, and a recompile of the empty graph before it per chunk length)."""
     model = make_model(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                        **overrides).cuda()
     ids = torch.randint(3, 97, (2, 300), device="cuda")
@@ -70,9 +73,11 @@ def test_compiled_static_generate_equals_eager_generate_on_gpu(make_model, overr
     mask[1, :40] = 0  # left padding
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     eager = model.generate(ids, **kwargs)
-    static = dict(cache_implementation="static", compile_config=CompileConfig(fullgraph=True))  # reduce-overhead
+    chunked = prefill_chunk_size is not None
+    static = dict(cache_implementation="static", prefill_chunk_size=prefill_chunk_size,
+                  compile_config=CompileConfig(fullgraph=not chunked))  # reduce-overhead
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(error_on_recompile=True):
+    with torch._dynamo.config.patch(error_on_recompile=not chunked):
         compiled = model.generate(ids, **static, **kwargs)
-        again = model.generate(ids, **static, **kwargs)  # a new cache: the same graph
+        again = model.generate(ids, **static, **kwargs)  # a new cache: the same graph, replayed
     assert torch.equal(compiled, eager) and torch.equal(again, eager)
