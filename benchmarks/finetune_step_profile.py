@@ -6,12 +6,14 @@ logits, CE and KL) labelled; the rest of a step is the backward, the optimizer a
         --steps 12 --skip-eval --output-dir /tmp/profile-run
 
 Needs --steps of at least 4 + 2 x --profile-steps. Writes finetune_step_profile_<device>_<date>.json in --out:
-the unprofiled step time, per profiled step each label's host (CPU) and device time, on a GPU the fraction of the
-step the GPU is busy (the union of its kernels), and the operations that take the most time.
+the unprofiled step time, per profiled step each label's host (CPU) time, its kernels' summed device time and on a
+GPU its span on the GPU's timeline, the fraction of the step the GPU is busy (the union of its kernels), and the
+operations that take the most time.
 """
 
 import argparse
 import contextlib
+import gzip
 import json
 import time
 from pathlib import Path
@@ -33,6 +35,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile-steps", type=int, default=3, help="steps recorded (default: %(default)s)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder of the result")
+    parser.add_argument("--keep-trace", action="store_true",
+                        help="also write the profiled steps' Chrome trace (gzipped JSON, for chrome://tracing or "
+                             "Perfetto) beside the result")
     parser.add_argument("finetune_args", nargs=argparse.REMAINDER, help="after --: options of foxlm finetune")
     args = parser.parse_args(argv)
     args.finetune_args = [a for a in args.finetune_args if a != "--"]
@@ -84,25 +89,40 @@ def main(argv=None):
     profiler, steps = recording["profiler"], args.profile_steps
     events = profiler.key_averages()
     step_s = (marks[first_profiled] - marks[first_timed]) / (first_profiled - first_timed)
-    per_step = {event.key: {"cpu_ms": event.cpu_time_total / 1e3 / steps, "device_ms": event.device_time_total / 1e3
-                            / steps} for event in events if event.key in LABELS}
+    # A label gives two events on a GPU: the host's range (its time, and its kernels' summed device time) and the
+    # range on the GPU's timeline, first kernel to last, gaps included.
+    per_step = {label: {} for label in LABELS}
+    for event in events:
+        if event.key not in LABELS:
+            continue
+        if event.device_type == torch.autograd.DeviceType.CPU:
+            per_step[event.key].update(host_ms=event.cpu_time_total / 1e3 / steps,
+                                       kernel_ms=event.device_time_total / 1e3 / steps)
+        else:
+            per_step[event.key]["gpu_span_ms"] = event.device_time_total / 1e3 / steps
     key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     top = sorted((e for e in events if e.key not in LABELS), key=lambda e: -getattr(e, key))[:15]
     device = torch.cuda.get_device_name() if on_gpu else "cpu"
     result = {"device": device, "torch": torch.__version__, "finetune_args": args.finetune_args, "step_s": step_s,
               "profiled_steps": steps, "per_step": per_step,
               f"top_{'device' if on_gpu else 'cpu'}_ms_per_step": {e.key: getattr(e, key) / 1e3 / steps for e in top}}
-    if on_gpu:
-        trace = Path(args.out) / "finetune_step_trace.tmp.json"
-        profiler.export_chrome_trace(str(trace))
-        busy, kernels = busy_seconds(json.loads(trace.read_text())["traceEvents"])
-        trace.unlink()
-        result.update(gpu_busy_fraction=busy / steps / step_s, kernels_per_step=kernels / steps)
     path = Path(args.out) / f"finetune_step_profile_{device.replace(' ', '_')}_{time.strftime('%Y%m%d-%H%M')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    if on_gpu or args.keep_trace:
+        trace = path.with_suffix(".trace.tmp.json")
+        profiler.export_chrome_trace(str(trace))
+        text = trace.read_text()
+        trace.unlink()
+        if on_gpu:
+            busy, kernels = busy_seconds(json.loads(text)["traceEvents"])
+            result.update(gpu_busy_fraction=busy / steps / step_s, kernels_per_step=kernels / steps)
+        if args.keep_trace:
+            with gzip.open(path.with_suffix(".trace.json.gz"), "wt") as out:
+                out.write(text)
     path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"step {step_s:.3f} s; per step: " + ", ".join(f"{label} {v['cpu_ms']:.0f} ms host / {v['device_ms']:.0f} "
-                                                         f"ms device" for label, v in per_step.items()))
+    print(f"step {step_s:.3f} s; per step: " + ", ".join(
+        f"{label} {v.get('host_ms', 0):.0f} ms host / {v.get('kernel_ms', 0):.0f} ms of kernels" for label, v in
+        per_step.items()))
     print(f"wrote {path}")
 
 
