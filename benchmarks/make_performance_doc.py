@@ -31,11 +31,10 @@ SOURCES = {
     ],
     # (file, command, the head dim whose rows it gives: each was measured with that head dim's launch defaults)
     "decode_attention": [
-        ("decode_NVIDIA_H100_80GB_HBM3_20261127-0021.json",
+        ("decode_NVIDIA_H100_80GB_HBM3_20261127-0647.json",
          "FOXLM_AUTOTUNE=0 python benchmarks/bench_decode.py --parts attention", 64),
-        ("decode_NVIDIA_H100_80GB_HBM3_20261127-0008.json",
-         "FOXLM_AUTOTUNE=0 python benchmarks/bench_decode.py --parts attention,serving --serving-batches 8,32,64 "
-         "--serving-prompts 32768 --new-tokens 128 --cache-implementations static", 128),
+        ("decode_NVIDIA_H100_80GB_HBM3_20261127-0647.json",
+         "FOXLM_AUTOTUNE=0 python benchmarks/bench_decode.py --parts attention", 128),
     ],
     "decode": ("decode_NVIDIA_H100_80GB_HBM3_2026-11-23.json", "python benchmarks/bench_decode.py"),
     "static_generate": ("decode_NVIDIA_H100_80GB_HBM3_20261126-1658.json",
@@ -272,8 +271,8 @@ def decode_section():
     parts = ["## Decoding",
              "Decode attention: one new token, 32 query / 8 KV heads, bf16; bytes of K and V read per second as a "
              "share of the HBM peak (H100 SXM: 3.35 TB/s), against SDPA on the same cache without the forget bias. "
-             "Each head dim from the run with its current launch configuration; both runs shared their host with "
-             "training on its other GPUs, which the launch-bound rows (batch 1, 4k) feel most "
+             "Both head dims with their launch defaults, timed as CUDA-graph replays; the run shared its host "
+             "with training on the other GPUs, which the launch-bound rows (batch 1, 4k) feel most "
              "(benchmarks/NOTES_attention.md, \"Decode launch configuration\").",
              table(["head dim", "cached tokens", "batch", "foxlm", "SDPA", "foxlm / SDPA"], rows),
              "\n".join(sources),
