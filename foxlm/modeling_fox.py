@@ -544,12 +544,11 @@ class FoxModel(FoxPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwargs(cache))
 
 
-def _static_cache_prefill(cache, length):
-    """Whether a forward of `length` tokens on `cache` is a static FoX cache's prefill (or a chunk of it): anything
-    but one token on a filled cache."""
-    if not any(isinstance(layer, FoxStaticCacheLayer) for layer in getattr(cache, "layers", ())):
-        return False
-    return length > 1 or _filled_static_layer(cache) is None
+def _static_cache_prefill(cache, inputs):
+    """Whether `inputs` (ids or embeddings) on `cache` are a static FoX cache's prefill or a chunk of it: anything but
+    one token on a filled cache. The first layer decides, as in `_filled_static_layer`."""
+    first = cache.layers[0] if cache is not None and cache.layers else None
+    return isinstance(first, FoxStaticCacheLayer) and (inputs.shape[1] > 1 or not first.filled)
 
 
 @torch.compiler.disable
@@ -719,8 +718,8 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
             sequence indices (a 1-D tensor).
         """
         check_forward_kwargs(type(self).__name__, kwargs)
-        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        if torch.compiler.is_compiling() and _static_cache_prefill(cache, length):
+        inputs = input_ids if input_ids is not None else inputs_embeds
+        if torch.compiler.is_compiling() and _static_cache_prefill(cache, inputs):
             # generate() runs the chunks of a chunked prefill through its compiled forward too; they run eagerly
             # (what CUDA graphs store in the cache, the next replay would overwrite) and the graph stays the
             # one-token decode step's.

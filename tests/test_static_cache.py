@@ -20,6 +20,21 @@ VARIANTS = {
 }
 
 
+def counting_compile_config(graphs, fullgraph):
+    """generate()'s compile settings on the CPU too, with a backend that appends every graph it compiles to `graphs`
+    (aot_eager traces and functionalizes as inductor does, quickly)."""
+    from torch._dynamo.backends.registry import lookup_backend
+    from transformers import CompileConfig
+
+    def counting_backend(graph, example_inputs):
+        graphs.append(graph)
+        return lookup_backend("aot_eager")(graph, example_inputs)
+
+    config = CompileConfig(backend=counting_backend, fullgraph=fullgraph, mode=None)
+    config._compile_all_devices = True  # generate() compiles on CUDA only by default
+    return config
+
+
 def left_padded_batch(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     T = max(lengths)
@@ -125,20 +140,11 @@ def test_compiled_chunked_prefill_generates_what_the_dynamic_cache_generates(mak
     """With `prefill_chunk_size`, generate() calls its compiled forward for the prompt's chunks too: they run eagerly
     (in CUDA graphs, what they store in the cache would be overwritten by the next replay), and the decode step is
     still the one graph, compiled once for both calls."""
-    from torch._dynamo.backends.registry import lookup_backend
-    from transformers import CompileConfig
-
     model = make_model(acp_eps=1e-4)
     ids, mask = left_padded_batch([21, 9, 16])
     kwargs = dict(attention_mask=mask, max_new_tokens=6, **GREEDY)
     graphs = []
-
-    def counting_backend(graph, example_inputs):
-        graphs.append(graph)
-        return lookup_backend("aot_eager")(graph, example_inputs)
-
-    config = CompileConfig(backend=counting_backend, mode=None)
-    config._compile_all_devices = True  # generate() compiles on CUDA only by default
+    config = counting_compile_config(graphs, fullgraph=False)
     torch._dynamo.reset()
     want = model.generate(ids, **kwargs)
     for _ in range(2):
@@ -153,23 +159,13 @@ def test_compiled_chunked_prefill_generates_what_the_dynamic_cache_generates(mak
 def test_compiled_decoding_is_one_graph_compiled_once(make_model, backend):
     """generate()'s compile path (what it does on CUDA, here on the CPU): every decode step runs one full graph,
     compiled once, and gives the eager dynamic cache's tokens."""
-    from torch._dynamo.backends.registry import lookup_backend
-    from transformers import CompileConfig
-
     if backend == "triton":
         pytest.importorskip("triton")
     model = make_model(acp_eps=1e-4, attention_backend=backend)
     ids, mask = left_padded_batch([9, 6])
     kwargs = dict(attention_mask=mask, max_new_tokens=6, **GREEDY)
     graphs = []
-
-    # Counts compiles; aot_eager traces and functionalizes as inductor does, quickly.
-    def counting_backend(graph, example_inputs):
-        graphs.append(graph)
-        return lookup_backend("aot_eager")(graph, example_inputs)
-
-    config = CompileConfig(backend=counting_backend, fullgraph=True, mode=None)
-    config._compile_all_devices = True  # generate() compiles on CUDA only by default
+    config = counting_compile_config(graphs, fullgraph=True)
     torch._dynamo.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = model.generate(ids, cache_implementation="static", compile_config=config, **kwargs)
