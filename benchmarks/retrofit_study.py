@@ -41,6 +41,7 @@ RECIPES = {
     "lr-1e-3": ["--lr", "1e-3"],
     "context-4k": ["--context", "4096"],
     "kernel-docs": ["--train-domains", "code,docs,kernel"],
+    "micro-batch-4": ["--micro-batch-size", "4"],
 }
 
 
@@ -181,7 +182,7 @@ def main():
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     # The recipes in the name: studies started in the same minute keep their own files.
     path = Path(args.results) / (f"retrofit_study_{device.replace(' ', '_')}_{time.strftime('%Y%m%d-%H%M')}_"
-                                 f"{'+'.join(recipes)}.json")
+                                 f"{'__'.join(recipes)}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def save(runs):  # after every recipe

@@ -147,6 +147,49 @@ def teacher_on_slice(cp, teacher_decoder, inputs, shift_labels, teacher_context)
     return on_slice, kl_mask
 
 
+MAX_TEACHER_CALLS = 4
+
+
+def teacher_on_documents(teacher_decoder, inputs, teacher_context):
+    """The teacher's last hidden states on a packed row (zeros where no KL applies; None when none does), computed
+    only where the KL applies: over each document's first `teacher_context` positions, documents being runs of
+    position ids stepping by 1 (what transformers' packed-sequence mask separates).
+
+    A row that packs several training blocks (`DataCollatorWithFlattening` with more than one example per micro-batch)
+    would otherwise take the teacher's packed mask: SDPA's masked kernel over the whole row, whose work grows with the
+    square of the row. Here the windows of equal length run as one batch on the plain causal kernel, each over its
+    true prefix, so the hidden states are those of the whole-row call at every KL position. Batches it cannot split
+    so (several rows, an attention mask, windows of more than `MAX_TEACHER_CALLS` lengths) take the whole-row call."""
+    input_ids, positions = inputs.get("input_ids"), inputs.get("position_ids")
+    splittable = (input_ids is not None and positions is not None and input_ids.shape[0] == 1
+                  and set(inputs) == {"input_ids", "position_ids"})
+    if splittable:
+        row = positions[0]
+        starts = torch.nonzero(torch.diff(row, prepend=row[:1] - 2) != 1).flatten().tolist()  # one host sync
+        ends = [*starts[1:], row.numel()]
+        first_positions = row[starts].tolist()
+        windows = {}  # length -> starts
+        for start, end, first in zip(starts, ends, first_positions):
+            length = end - start if teacher_context is None else min(end - start, teacher_context - first)
+            if length > 0:
+                windows.setdefault(length, []).append(start)
+        splittable = len(windows) <= MAX_TEACHER_CALLS
+    if not splittable:
+        with torch.no_grad():
+            return teacher_decoder(**inputs, use_cache=False).last_hidden_state
+    hidden = None
+    for length, window_starts in windows.items():
+        index = (torch.tensor(window_starts, device=row.device)[:, None]
+                 + torch.arange(length, device=row.device))
+        with torch.no_grad():
+            out = teacher_decoder(input_ids=input_ids[0][index], position_ids=row[index],
+                                  use_cache=False).last_hidden_state
+        if hidden is None:
+            hidden = out.new_zeros(1, row.numel(), out.shape[-1])
+        hidden[0, index.flatten()] = out.reshape(-1, out.shape[-1])
+    return hidden
+
+
 class DistillationTrainer(Trainer):
     """`Trainer` whose loss is next-token loss plus `kl_weight` x KL(teacher || model) at positions below
     `teacher_context` (position ids, so per document in packed batches).
@@ -203,8 +246,7 @@ class DistillationTrainer(Trainer):
                     teacher_hidden, kl_mask = teacher_on_slice(context_parallel, teacher_decoder, inputs,
                                                                shift_labels, self.teacher_context)
                 else:
-                    with torch.no_grad():
-                        teacher_hidden = teacher_decoder(**inputs, use_cache=False).last_hidden_state
+                    teacher_hidden = teacher_on_documents(teacher_decoder, inputs, self.teacher_context)
                     if self.teacher_context is not None:
                         positions = inputs.get("position_ids")
                         if positions is None:

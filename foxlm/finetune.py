@@ -128,6 +128,11 @@ def parse_args(argv=None, prog=None):
     training.add_argument("--tokens-per-step", type=int, default=None,
                           help="tokens per optimizer step; gradient accumulation fills it "
                                f"({machine_default('tokens_per_step')})")
+    training.add_argument("--micro-batch-size", type=int, default=1, metavar="BLOCKS",
+                          help="training blocks per forward and backward pass, packed into one row (Trainer's "
+                               "per_device_train_batch_size); gradient accumulation fills the rest of the step. "
+                               "More blocks per pass launch fewer kernels per token, at the cost of more memory "
+                               "(default: %(default)s)")
     training.add_argument("--full", action="store_true",
                           help="full fine-tuning (every weight) instead of LoRA on the projections")
     training.add_argument("--lora-r", type=int, default=32, help="LoRA rank (default: %(default)s)")
@@ -178,9 +183,9 @@ def parse_args(argv=None, prog=None):
             setattr(args, name, gpu if on_gpu else cpu)
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = on_gpu
-    for name in ("context", "steps", "tokens_per_step", "lora_r", "save_steps", "eval_length", "eval_docs",
-                 "transfer_length", "transfer_batch_size", "min_documents", "sample_length", "sample_batch_size",
-                 "context_parallel"):
+    for name in ("context", "steps", "tokens_per_step", "micro_batch_size", "lora_r", "save_steps", "eval_length",
+                 "eval_docs", "transfer_length", "transfer_batch_size", "min_documents", "sample_length",
+                 "sample_batch_size", "context_parallel"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("transfer_steps", "transfer_qk_rank", "teacher_samples"):
@@ -208,6 +213,9 @@ def parse_args(argv=None, prog=None):
         if unknown:
             parser.error(f"--train-domains: {', '.join(map(repr, unknown))} is not a training domain; choose from "
                          f"{', '.join(trainable)} ({', '.join(HELD_OUT_DOMAINS)} is never trained on)")
+    if args.micro_batch_size * args.context > args.tokens_per_step:
+        parser.error(f"--micro-batch-size {args.micro_batch_size} blocks of --context {args.context} tokens exceed "
+                     f"--tokens-per-step {args.tokens_per_step}")
     if args.teacher_context is not None and args.teacher_context < 1:
         parser.error(f"--teacher-context must be at least 1, got {args.teacher_context}")
     return args
@@ -233,6 +241,9 @@ class Processes:
         if args.context % size:
             sys.exit(f"error: --context {args.context} must be divisible by the context-parallel group size "
                      f"({size}): each process holds an equal slice of every sequence")
+        if size > 1 and args.micro_batch_size > 1:
+            sys.exit(f"error: --micro-batch-size {args.micro_batch_size}: context parallelism splits one block per "
+                     "pass over its processes; leave --micro-batch-size at 1")
         self.size = size
         self.main = self.rank == 0
         self.wait_group, self.owns_group = None, False
@@ -434,18 +445,19 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
                                                           target_modules=targets))
         if processes.main:
             trainable.print_trainable_parameters()
-    # One block per micro-batch, which DataCollatorWithFlattening hands to FoX's packed (varlen) kernel unpadded.
+    # DataCollatorWithFlattening packs a micro-batch's blocks into one row for FoX's packed (varlen) kernel.
     examples = padding_free_examples(train_blocks, max_length=args.context)
     # Each context-parallel group trains on its own blocks: the groups share the step's tokens.
     groups = processes.world // args.context_parallel
-    accumulation = max(1, args.tokens_per_step // (args.context * groups))
+    accumulation = max(1, args.tokens_per_step // (args.context * args.micro_batch_size * groups))
     lr = args.lr or (FULL_LR if args.full else LORA_LR)
     warmup = args.warmup_steps if args.warmup_steps is not None else math.ceil(args.steps / 20)
     budget = TrainingBudget(args.steps, args.max_minutes, warmup)
     optimizer = torch.optim.AdamW(optimizer_param_groups(trainable, weight_decay=0.1), lr=lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, budget.lr_factor)
     training_args = TrainingArguments(
-        output_dir=str(run_dir / "checkpoints"), max_steps=args.steps, per_device_train_batch_size=1,
+        output_dir=str(run_dir / "checkpoints"), max_steps=args.steps,
+        per_device_train_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=accumulation, learning_rate=lr, bf16=on_gpu,
         **{CHECKPOINTING_ARGUMENT: args.gradient_checkpointing}, logging_steps=max(1, args.steps // 50),
         save_steps=args.save_steps, save_total_limit=1, report_to=[], use_cpu=not on_gpu, seed=0,
@@ -465,10 +477,12 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
         loss_text = f"{args.kl_weight:g} x KL to the original below position {context}, next-token loss beyond"
     parallel_text = f", each sequence split over {args.context_parallel} processes" \
         if args.context_parallel > 1 else ""
+    step_tokens = accumulation * groups * args.micro_batch_size * args.context
+    per_pass = f"{args.micro_batch_size} block{'s' if args.micro_batch_size > 1 else ''} per pass"
     if processes.main:
         print(f"fine-tuning ({'full' if args.full else f'LoRA r={args.lora_r}'}) on {len(examples)} blocks of "
-              f"{args.context} tokens: {args.steps} steps of {accumulation * groups * args.context} tokens"
-              f"{budget_text}, lr {lr}, {loss_text}{parallel_text}")
+              f"{args.context} tokens: {args.steps} steps of {step_tokens} tokens ({per_pass}){budget_text}, "
+              f"lr {lr}, {loss_text}{parallel_text}")
     trainer_class, parallel = DistillationTrainer, {}
     if args.context_parallel > 1:
         trainer_class, parallel = ContextParallelDistillationTrainer, {"context_parallel_size": args.context_parallel}

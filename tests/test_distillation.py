@@ -6,7 +6,8 @@ from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausal
 
 from foxlm import fox_lora_config
 from foxlm.conversion import fox_from_llama
-from foxlm.distillation import DistillationTrainer, chunked_distillation_loss, sample_documents
+from foxlm.distillation import (MAX_TEACHER_CALLS, DistillationTrainer, chunked_distillation_loss,
+                                sample_documents, teacher_on_documents)
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
@@ -148,6 +149,65 @@ def test_distill_only_trains_the_next_token_loss_beyond_the_teachers_context_alo
     ce_beyond, kl = loss_terms(trainer, batch)
     ce_everywhere, same_kl = loss_terms(trainer, batch, distill_only=False)
     assert 0 < ce_beyond < ce_everywhere and torch.equal(kl, same_kl)
+
+
+def counted_calls(module):
+    calls = []
+    module.register_forward_hook(lambda m, args, kwargs, out: calls.append(kwargs["input_ids"].shape),
+                                 with_kwargs=True)
+    return calls
+
+
+@pytest.mark.parametrize("teacher_context", [None, 5, 12])
+def test_the_teacher_on_documents_equals_the_whole_row_at_every_kl_position(teacher_context):
+    """Blocks packed into one row: the teacher runs on each document's KL window (equal lengths batched, one call
+    per length) and gives the whole-row call's hidden states wherever the KL applies. The third run of position ids
+    starts mid-document (a block that continues one), as the whole-row call reads it."""
+    teacher = tiny_llama().model
+    lengths, firsts = [16, 16, 9, 16], [0, 0, 3, 0]
+    positions = torch.cat([torch.arange(first, first + n) for n, first in zip(lengths, firsts)])[None]
+    batch = {"input_ids": torch.randint(0, TINY["vocab_size"], positions.shape), "position_ids": positions}
+    with torch.no_grad():
+        whole = teacher(**batch, use_cache=False).last_hidden_state
+    calls = counted_calls(teacher)
+    hidden = teacher_on_documents(teacher, batch, teacher_context)
+    kl = positions < (teacher_context or 10**9)
+    windows = {min(n, (teacher_context or 10**9) - first) for n, first in zip(lengths, firsts)}
+    # One call per window length, and the teacher runs on exactly the positions the KL takes.
+    assert len(calls) == len(windows) and sum(s.numel() for s in calls) == kl.sum()
+    torch.testing.assert_close(hidden[kl], whole[kl], rtol=1e-5, atol=1e-5)
+    assert torch.all(hidden[~kl] == 0)
+
+
+def test_the_teacher_takes_the_whole_row_when_its_documents_come_in_many_lengths():
+    teacher = tiny_llama().model
+    lengths = list(range(3, 3 + MAX_TEACHER_CALLS + 1))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    batch = {"input_ids": torch.randint(0, TINY["vocab_size"], positions.shape), "position_ids": positions}
+    calls = counted_calls(teacher)
+    hidden = teacher_on_documents(teacher, batch, None)
+    assert calls == [positions.shape]
+    with torch.no_grad():
+        torch.testing.assert_close(hidden, teacher(**batch, use_cache=False).last_hidden_state)
+
+
+def test_blocks_packed_into_one_pass_give_the_loss_and_gradients_of_one_pass_each(tmp_path):
+    """--micro-batch-size: two blocks in one row, or one per pass with gradient accumulation, train alike."""
+    trainer, _ = make_trainer(tmp_path, kl_weight=1.0, teacher_context=12)
+    model, examples, collate = trainer.model, packed_examples()[:2], DataCollatorWithFlattening()
+    count = sum(len(e["input_ids"]) - 1 for e in examples)
+
+    def loss_and_grads(batches):
+        model.zero_grad()
+        loss = sum(trainer.compute_loss(model, b, num_items_in_batch=count) for b in batches)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    packed_loss, packed_grads = loss_and_grads([collate(examples)])
+    separate_loss, separate_grads = loss_and_grads([collate([e]) for e in examples])
+    torch.testing.assert_close(packed_loss, separate_loss, rtol=1e-5, atol=1e-6)
+    for packed, separate in zip(packed_grads, separate_grads, strict=True):
+        torch.testing.assert_close(packed, separate, rtol=1e-4, atol=1e-6)
 
 
 def test_a_kl_weight_without_teacher_is_refused(tmp_path):

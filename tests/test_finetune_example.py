@@ -33,7 +33,7 @@ def llama_and_corpus(tmp_path_factory):
 def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_and_corpus, capsys):
     root = llama_and_corpus
     foxlm(["finetune", *finetune_args(root, "lora", "--gradient-checkpointing", "--eval-domains", "prose",
-                                      "--eval-length", "512")])
+                                      "--eval-length", "512", "--micro-batch-size", "2")])
     run = root / "lora"
     for name in ("converted/config.json", "adapter/adapter_model.safetensors", "fine-tuned/model.safetensors",
                  "fine-tuned/tokenizer.json", "train_log.json", "evaluation.png", "evaluation.json", "needle.json",
@@ -64,6 +64,7 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
     # Text sampled from the original joins the training data (the CPU default: 1024 tokens, documents of <= 64).
     assert summary["teacher_samples"]["tokens"] >= 1024 and summary["teacher_samples"]["documents"] >= 1024 // 65
     assert any(line.startswith("sampled ") and "from the original" in line for line in out)
+    assert any("3 steps of 256 tokens (2 blocks per pass)" in line for line in out)
     logged = [entry for entry in json.loads((run / "train_log.json").read_text()) if "loss" in entry]
     assert logged and all(entry["kl"] > 0 and abs(entry["loss"] - entry["ce"] - entry["kl"]) < 1e-3
                           for entry in logged), logged
@@ -152,7 +153,7 @@ def test_a_killed_run_resumed_ends_bit_identical_to_an_uninterrupted_one(llama_a
     assert all(torch.equal(whole[key], resumed[key]) for key in whole)
 
 
-def test_bad_arguments_are_named_before_any_training(llama_and_corpus):
+def test_bad_arguments_are_named_before_any_training(llama_and_corpus, capsys):
     root = llama_and_corpus
     with pytest.raises(SystemExit, match="--eval-only"):
         foxlm(["finetune", *finetune_args(root, "empty", "--eval-only")])
@@ -160,6 +161,9 @@ def test_bad_arguments_are_named_before_any_training(llama_and_corpus):
         foxlm(["finetune", *finetune_args(root, "no-checkpoint", "--resume")])
     with pytest.raises(SystemExit, match="--eval-length 100000"):
         foxlm(["finetune", *finetune_args(root, "too-long", "--eval-length", "100000")])
+    with pytest.raises(SystemExit):
+        foxlm(["finetune", *finetune_args(root, "big-pass", "--micro-batch-size", "3")])
+    assert "--micro-batch-size 3 blocks of --context 128 tokens exceed --tokens-per-step 256" in capsys.readouterr().err
     assert not (root / "too-long" / "checkpoints").exists()
 
 

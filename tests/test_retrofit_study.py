@@ -26,7 +26,7 @@ def test_recipes_run_at_the_same_time_and_land_in_one_record(tmp_path):
     done = study("--recipes", "default,no-kl", "--gpus", "0,1", "--minutes", "5", "--output-dir", str(root / "study"),
                  "--results", str(root / "results"), "--", *tiny, cwd=root)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    [path] = (root / "results").glob("retrofit_study_*_default+no-kl.json")
+    [path] = (root / "results").glob("retrofit_study_*_default__no-kl.json")
     record = json.loads(path.read_text())
     assert record["gpus"] == ["0", "1"] and set(record["runs"]) == {"default", "no-kl"}
     assert {run["gpu"] for run in record["runs"].values()} == {"0", "1"}
