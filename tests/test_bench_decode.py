@@ -93,6 +93,30 @@ def test_a_row_out_of_memory_is_skipped_and_the_run_goes_on(bench, monkeypatch, 
     assert len(table) == 2 + len(summary) and table[-1].startswith("| 2 | 16 |") and "| skipped |" in table[-1]
 
 
+def test_a_prefill_out_of_memory_is_tried_again_with_shorter_chunks(bench, monkeypatch):
+    """A model whose prefill chunk does not fit gets chunks half as long, down to MIN_PREFILL_CHUNK; the row records
+    the chunk it ran with, or stays skipped when none fits."""
+    monkeypatch.setattr(bench, "MIN_PREFILL_CHUNK", 2)
+    models = tiny_models()
+    tried = {"llama": [], "fox": []}
+    for label, largest in (("llama", 4), ("fox", 1)):
+        generate = models[label].generate
+
+        def fits_up_to(ids, label=label, largest=largest, generate=generate, **kwargs):
+            tried[label].append(kwargs["prefill_chunk_size"])
+            if kwargs["prefill_chunk_size"] > largest:
+                raise torch.OutOfMemoryError(f"CUDA out of memory at chunk {kwargs['prefill_chunk_size']}")
+            return generate(ids, **kwargs)
+
+        monkeypatch.setattr(models[label], "generate", fits_up_to)
+    rows = {r["model"]: r for r in bench.measure_serving(models, batches=[2], prompts=[24], new_tokens=3,
+                                                         device="cpu", prefill_chunk_size=16, warmup_tokens=1)}
+    assert rows["llama"]["prefill_chunk_size"] == 4 and "skipped" not in rows["llama"]
+    assert rows["llama"]["decode_tokens_per_s"] > 0 and tried["llama"][:3] == [16, 8, 4]
+    assert tried["fox"] == [16, 8, 4, 2] and rows["fox"]["skipped"] == "out of memory: CUDA out of memory at chunk 2"
+    assert rows["fox-fast-heads"]["prefill_chunk_size"] == 16
+
+
 def test_serving_rows_with_a_static_cache(bench):
     """FoX and LLaMA under the same static cache; eviction skips reads but frees nothing from fixed buffers."""
     models = tiny_models()

@@ -56,7 +56,8 @@ def parse_args(argv=None):
                              "static (default: dynamic)")
     parser.add_argument("--prefill-chunk-size", type=int, default=None, metavar="TOKENS",
                         help="serving: generate() prefills every model in chunks of this many tokens, which lets "
-                             "large batches of long prompts fit (default: the whole prompt at once)")
+                             "large batches of long prompts fit; a model out of memory there is tried again with "
+                             f"chunks half as long, down to {MIN_PREFILL_CHUNK} (default: the whole prompt at once)")
     parser.add_argument("--out", default=RESULTS_DIR)
     args = parser.parse_args(argv)
     unknown = set(args.cache_implementations) - set(CACHE_IMPLEMENTATIONS)
@@ -307,6 +308,9 @@ def timed_generate(model, ids, **kwargs):
     return out, time.perf_counter() - start
 
 
+MIN_PREFILL_CHUNK = 512
+
+
 def measure_serving(models, batches, prompts, new_tokens, device, cache_implementation="dynamic", warmup_tokens=17,
                     prefill_chunk_size=None):
     """Yield one row per (batch, prompt, model) of greedy generate(): decode tokens/s, prefill time, peak memory (CUDA:
@@ -314,46 +318,62 @@ def measure_serving(models, batches, prompts, new_tokens, device, cache_implemen
     when the timed run started) and the cache's bytes after generation. `models` maps labels to models, already on
     `device` in their dtype. The rows run from the fewest prompt tokens (batch x prompt) to the most, every model at
     one shape before the next; a row that runs out of memory comes back with `skipped` (the reason) and no timings.
-    `prefill_chunk_size` has generate() prefill every model in chunks of that many tokens."""
+    `prefill_chunk_size` has generate() prefill every model in chunks of that many tokens; a model that runs out of
+    memory there is tried again with chunks half as long, down to `MIN_PREFILL_CHUNK` (a prefill chunk's memory can
+    exceed what decoding needs: LLaMA's 4-D mask for a static cache is chunk x cache length per row); each row
+    records the chunk it ran with."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     # "dynamic" is generate()'s default; with "static" generate() on CUDA compiles the decode step.
     cache_kwargs = {} if cache_implementation == "dynamic" else dict(cache_implementation=cache_implementation)
+    chunks = [None]
     if prefill_chunk_size:
-        cache_kwargs["prefill_chunk_size"] = prefill_chunk_size
+        chunks = [prefill_chunk_size]
+        while chunks[-1] // 2 >= MIN_PREFILL_CHUNK:
+            chunks.append(chunks[-1] // 2)
     warmup_tokens = warmup_tokens_for(cache_implementation, new_tokens, warmup_tokens)
+
+    def release_memory():
+        if cache_implementation != "dynamic":  # each shape compiles anew: drop the last graphs and their pools
+            torch.compiler.reset()
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
     for batch, prompt in sorted(((b, p) for b in batches for p in prompts), key=lambda bp: (bp[0] * bp[1], bp[0])):
         for label, model in models.items():
             row = dict(model=label, decode_kv_eviction=getattr(model.config, "decode_kv_eviction", False), batch=batch,
                        prompt=prompt, new_tokens=new_tokens, cache_implementation=cache_implementation,
-                       prefill_chunk_size=prefill_chunk_size,
                        dtype=str(model.dtype).removeprefix("torch."))
-            try:
-                ids = torch.randint(3, model.config.vocab_size, (batch, prompt), device=device,
-                                    generator=torch.Generator(device).manual_seed(0))
-                with torch.no_grad():
-                    # Warm-up at this shape (`warmup_tokens_for`).
-                    timed_generate(model, ids, max_new_tokens=warmup_tokens, **cache_kwargs)
-                    _, prefill_s = timed_generate(model, ids, max_new_tokens=1, **cache_kwargs)
-                    if cuda:
-                        torch.cuda.reset_peak_memory_stats(device)
-                        row["allocated_before_bytes"] = torch.cuda.memory_allocated(device)
-                    out, total_s = timed_generate(model, ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                                  return_dict_in_generate=True, **cache_kwargs)
-                decode_s = max(total_s - prefill_s, 1e-9)
-                row.update(prefill_s=prefill_s, decode_s=decode_s,
-                           decode_tokens_per_s=(new_tokens - 1) * batch / decode_s,
-                           peak_memory_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
-                           cache_bytes=cache_bytes(getattr(out, CACHE_ARG)))
-                del out
-            except torch.OutOfMemoryError as error:
-                row["skipped"] = f"out of memory: {str(error).splitlines()[0]}"
-            ids = None
-            if cache_implementation != "dynamic":  # each shape compiles anew: drop the last graphs and their pools
-                torch.compiler.reset()
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+            for chunk in chunks:
+                row["prefill_chunk_size"] = chunk
+                kwargs = cache_kwargs if chunk is None else dict(cache_kwargs, prefill_chunk_size=chunk)
+                try:
+                    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), device=device,
+                                        generator=torch.Generator(device).manual_seed(0))
+                    with torch.no_grad():
+                        # Warm-up at this shape (`warmup_tokens_for`).
+                        timed_generate(model, ids, max_new_tokens=warmup_tokens, **kwargs)
+                        _, prefill_s = timed_generate(model, ids, max_new_tokens=1, **kwargs)
+                        if cuda:
+                            torch.cuda.reset_peak_memory_stats(device)
+                            row["allocated_before_bytes"] = torch.cuda.memory_allocated(device)
+                        out, total_s = timed_generate(model, ids, max_new_tokens=new_tokens,
+                                                      min_new_tokens=new_tokens, return_dict_in_generate=True,
+                                                      **kwargs)
+                    decode_s = max(total_s - prefill_s, 1e-9)
+                    row.pop("skipped", None)
+                    row.update(prefill_s=prefill_s, decode_s=decode_s,
+                               decode_tokens_per_s=(new_tokens - 1) * batch / decode_s,
+                               peak_memory_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
+                               cache_bytes=cache_bytes(getattr(out, CACHE_ARG)))
+                    del out
+                except torch.OutOfMemoryError as error:
+                    row["skipped"] = f"out of memory: {str(error).splitlines()[0]}"
+                ids = None
+                release_memory()
+                if "skipped" not in row:
+                    break
             yield row
 
 

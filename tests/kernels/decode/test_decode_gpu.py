@@ -74,10 +74,23 @@ def test_compiled_static_generate_equals_eager_generate_on_gpu(make_model, overr
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     eager = model.generate(ids, **kwargs)
     chunked = prefill_chunk_size is not None
-    static = dict(cache_implementation="static", prefill_chunk_size=prefill_chunk_size,
-                  compile_config=CompileConfig(fullgraph=not chunked))  # reduce-overhead
+    static = dict(cache_implementation="static", prefill_chunk_size=prefill_chunk_size)
+    if chunked:  # the chunks on the kernels alone, then in the static cache, before any graph
+        dynamic = model.generate(ids, prefill_chunk_size=prefill_chunk_size, **kwargs)
+        assert_same_tokens(dynamic, eager, "dynamic cache, chunked")
+    uncompiled = model.generate(ids, **static, disable_compile=True, **kwargs)
+    assert_same_tokens(uncompiled, eager, "static cache, not compiled")
+    compile_config = CompileConfig(fullgraph=not chunked)  # reduce-overhead
     torch._dynamo.reset()
     with torch._dynamo.config.patch(error_on_recompile=not chunked):
-        compiled = model.generate(ids, **static, **kwargs)
-        again = model.generate(ids, **static, **kwargs)  # a new cache: the same graph, replayed
-    assert torch.equal(compiled, eager) and torch.equal(again, eager)
+        compiled = model.generate(ids, **static, compile_config=compile_config, **kwargs)
+        again = model.generate(ids, **static, compile_config=compile_config, **kwargs)  # the same graph, replayed
+    assert_same_tokens(compiled, eager, "compiled, first call")
+    assert_same_tokens(again, eager, "compiled, second call")
+
+
+def assert_same_tokens(got, want, what):
+    """Equal token ids, or a message that says where the first difference of each row is."""
+    differ = (got != want).int()
+    first = [int(row.argmax()) if row.any() else None for row in differ]
+    assert not differ.any(), f"{what}: first differing position per row {first} of {want.shape[1]}"
