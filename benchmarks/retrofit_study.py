@@ -42,6 +42,8 @@ RECIPES = {
     "context-4k": ["--context", "4096"],
     "kernel-docs": ["--train-domains", "code,docs,kernel"],
     "micro-batch-4": ["--micro-batch-size", "4"],
+    "compile": ["--compile"],
+    "micro-batch-4-compile": ["--micro-batch-size", "4", "--compile"],
 }
 
 
@@ -83,14 +85,16 @@ def table(runs):
     """Markdown: one row per recipe, loss change vs the original below its context per domain, top-1 agreement,
     the worst band beyond the original's context against its last band (prose), needle accuracy."""
     domains = sorted({d for run in runs.values() for d in run["summary"].get("vs_original", {})})
-    header = (["recipe", "steps"] + [f"{d}: loss vs original" for d in domains]
+    header = (["recipe", "steps (seconds each)"] + [f"{d}: loss vs original" for d in domains]
               + [f"{d}: top-1 agreement" for d in domains]
               + ["prose: worst band past the original's context", "needle", "sampled from the original"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, run in runs.items():
         summary = run["summary"]
         vs = summary.get("vs_original", {})
-        row = [name, str(summary.get("training", {}).get("steps"))]
+        training = summary.get("training", {})
+        steps, seconds = training.get("steps"), training.get("seconds")
+        row = [name, f"{steps} ({seconds / steps:.2f} s)" if steps and seconds else str(steps)]
         row += [f"{vs[d]['loss_change']:+.1%}" if d in vs else "-" for d in domains]
         row += [f"{vs[d]['top1_agreement']:.1%}" if d in vs else "-" for d in domains]
         prose = summary["domains"].get("prose", {}).get("loss", {}).get(finetune.FINE_TUNED, {})

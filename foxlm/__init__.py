@@ -20,6 +20,7 @@ _EXPORTS = {  # name -> module of the package that defines it
     "FoxStaticCacheLayer": "cache_fox",
     "FoxPreTrainedModel": "modeling_fox",
     "forgetting_attention": "kernels",
+    "compile_layer_parts": "training",
     "fox_lora_config": "training",
     "optimizer_param_groups": "training",
     "write_remote_code": "remote_code",

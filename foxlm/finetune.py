@@ -133,6 +133,9 @@ def parse_args(argv=None, prog=None):
                                "per_device_train_batch_size); gradient accumulation fills the rest of the step. "
                                "More blocks per pass launch fewer kernels per token, at the cost of more memory "
                                "(default: %(default)s)")
+    training.add_argument("--compile", action="store_true",
+                          help="torch.compile each layer's norms, attention and MLP for training (regional "
+                               "compilation): fewer, fused kernels per step, after a compile at the first steps")
     training.add_argument("--full", action="store_true",
                           help="full fine-tuning (every weight) instead of LoRA on the projections")
     training.add_argument("--lora-r", type=int, default=32, help="LoRA rank (default: %(default)s)")
@@ -241,6 +244,8 @@ class Processes:
         if args.context % size:
             sys.exit(f"error: --context {args.context} must be divisible by the context-parallel group size "
                      f"({size}): each process holds an equal slice of every sequence")
+        if size > 1 and args.compile:
+            sys.exit("error: --compile is not supported with context parallelism yet; leave it out under torchrun")
         if size > 1 and args.micro_batch_size > 1:
             sys.exit(f"error: --micro-batch-size {args.micro_batch_size}: context parallelism splits one block per "
                      "pass over its processes; leave --micro-batch-size at 1")
@@ -429,7 +434,8 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
     from foxlm.distillation import ContextParallelDistillationTrainer, DistillationTrainer
     from foxlm.evaluation import load_causal_lm
     from foxlm.outputs import last_complete_checkpoint, save_fine_tuning
-    from foxlm.training import ATTENTION_PROJECTIONS, CHECKPOINTING_ARGUMENT, LORA_TARGET_MODULES, TrainingBudget
+    from foxlm.training import (ATTENTION_PROJECTIONS, CHECKPOINTING_ARGUMENT, LORA_TARGET_MODULES, TrainingBudget,
+                                compile_layer_parts)
 
     on_gpu = torch.cuda.is_available()
     # fp32 weights even on a GPU (bf16 autocast does the math): AdamW steps of ~lr would round away in bf16
@@ -445,6 +451,8 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
                                                           target_modules=targets))
         if processes.main:
             trainable.print_trainable_parameters()
+    if args.compile:
+        compile_layer_parts(model)  # after PEFT has wrapped the projections
     # DataCollatorWithFlattening packs a micro-batch's blocks into one row for FoX's packed (varlen) kernel.
     examples = padding_free_examples(train_blocks, max_length=args.context)
     # Each context-parallel group trains on its own blocks: the groups share the step's tokens.

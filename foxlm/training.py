@@ -48,6 +48,24 @@ def fox_lora_config(model, r=16, lora_alpha=32, lora_dropout=0.0, target_modules
     )
 
 
+def compile_layer_parts(model, **compile_kwargs):
+    """Regional compilation for training: `torch.compile` (with `compile_kwargs`) each decoder layer's norms,
+    attention and MLP in place (`nn.Module.compile`), after PEFT has wrapped the projections, so that their
+    elementwise work, dtype casts and LoRA's small products can fuse into fewer kernels. Every layer runs the same
+    compiled graphs (their weights are graph inputs), so the compile time does not grow with the depth. The decoder
+    layer itself is left alone: transformers' activation checkpointing wraps its forward, and inside that wrapper a
+    compiled layer would run eagerly. Returns the number of modules compiled."""
+    from .modeling_fox import FoxDecoderLayer
+
+    parts = [part for layer in model.modules() if isinstance(layer, FoxDecoderLayer)
+             for part in (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)]
+    if not parts:
+        raise ValueError(f"compile_layer_parts needs a FoX model; {type(model).__name__} has no FoxDecoderLayer.")
+    for part in parts:
+        part.compile(**compile_kwargs)
+    return len(parts)
+
+
 def optimizer_param_groups(model, weight_decay=0.1):
     """Two AdamW groups: weight decay on matrices and embeddings; none on biases, norm scales and gate biases.
 

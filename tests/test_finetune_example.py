@@ -30,10 +30,17 @@ def llama_and_corpus(tmp_path_factory):
     return root
 
 
-def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_and_corpus, capsys):
+def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_and_corpus, capsys, monkeypatch):
+    from foxlm import training
+
     root = llama_and_corpus
+    compiled, compile_parts = [], training.compile_layer_parts
+    # --compile with aot_eager, which traces and differentiates as inductor does without its minutes of codegen
+    monkeypatch.setattr(training, "compile_layer_parts",
+                        lambda model: compiled.append(compile_parts(model, backend="aot_eager")))
     foxlm(["finetune", *finetune_args(root, "lora", "--gradient-checkpointing", "--eval-domains", "prose",
-                                      "--eval-length", "512", "--micro-batch-size", "2")])
+                                      "--eval-length", "512", "--micro-batch-size", "2", "--compile")])
+    assert compiled == [4 * 2]  # norms, attention and MLP of the tiny LLaMA's 2 layers
     run = root / "lora"
     for name in ("converted/config.json", "adapter/adapter_model.safetensors", "fine-tuned/model.safetensors",
                  "fine-tuned/tokenizer.json", "train_log.json", "evaluation.png", "evaluation.json", "needle.json",

@@ -40,6 +40,8 @@ import time
 from . import comma_integers, comma_list
 from .run_record import RESULTS_DIR, new_record, record_path, write_record
 
+MIN_PREFILL_CHUNK = 512  # serving: the shortest prefill chunk tried after running out of memory
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -306,9 +308,6 @@ def timed_generate(model, ids, **kwargs):
     if cuda:
         torch.cuda.synchronize()
     return out, time.perf_counter() - start
-
-
-MIN_PREFILL_CHUNK = 512
 
 
 def measure_serving(models, batches, prompts, new_tokens, device, cache_implementation="dynamic", warmup_tokens=17,
