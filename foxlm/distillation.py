@@ -91,6 +91,12 @@ def language_model_parts(model):
     return decoder, head
 
 
+def teacher_document_starts(positions):
+    """(B, T) bool: where a document of the teacher's begins in rows of position ids, the first token of a row and
+    every token whose position id does not follow the previous one's by 1 (transformers' packed sequences)."""
+    return torch.diff(positions, prepend=positions[:, :1] - 2, dim=-1) != 1
+
+
 def teacher_on_slice(cp, teacher_decoder, inputs, shift_labels, teacher_context):
     """The teacher's last hidden states on this rank's slice of the sequence (zeros where no KL applies; None
     when none does on this slice) and the slice's KL mask (None: everywhere), for a context-parallel student (`cp`,
@@ -131,9 +137,8 @@ def teacher_on_slice(cp, teacher_decoder, inputs, shift_labels, teacher_context)
     if with_mask:
         document_start = torch.zeros_like(whole_positions)
     else:
-        steps = torch.diff(whole_positions, prepend=whole_positions[:, :1] - 1, dim=-1)
         index = torch.arange(T, device=device).expand(B, -1)
-        document_start = torch.where(steps != 1, index, 0).cummax(-1).values
+        document_start = torch.where(teacher_document_starts(whole_positions), index, 0).cummax(-1).values
     start = int(document_start[rows, columns + offset].min())
     end = int(columns.max()) + offset + 1
     window = {"input_ids": whole_ids[:, start:end], "position_ids": whole_positions[:, start:end]}
@@ -165,7 +170,7 @@ def teacher_on_documents(teacher_decoder, inputs, teacher_context):
                   and set(inputs) == {"input_ids", "position_ids"})
     if splittable:
         row = positions[0]
-        starts = torch.nonzero(torch.diff(row, prepend=row[:1] - 2) != 1).flatten().tolist()  # one host sync
+        starts = torch.nonzero(teacher_document_starts(positions)[0]).flatten().tolist()  # one host sync
         ends = [*starts[1:], row.numel()]
         first_positions = row[starts].tolist()
         windows = {}  # length -> starts

@@ -27,6 +27,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def counting_backend(graphs):
+    """A torch.compile backend that appends every graph it gets to `graphs` and runs it with aot_eager (which traces,
+    functionalizes and differentiates as inductor does, quickly)."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return lookup_backend("aot_eager")(graph, example_inputs)
+
+    return backend
+
+
 def tiny_config(**overrides):
     """A FoX (Pro) config small enough for CPU tests: GQA 4/2 heads, every Pro part on."""
     from foxlm import FoxConfig

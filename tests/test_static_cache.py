@@ -7,7 +7,7 @@ from transformers import DynamicCache, StaticCache, pipeline
 
 from foxlm import FoxStaticCacheLayer
 from foxlm.compat import CACHE_ARG
-from tests.conftest import byte_tokenizer
+from tests.conftest import byte_tokenizer, counting_backend
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 VARIANTS = {
@@ -22,15 +22,10 @@ VARIANTS = {
 
 def counting_compile_config(graphs, fullgraph):
     """generate()'s compile settings on the CPU too, with a backend that appends every graph it compiles to `graphs`
-    (aot_eager traces and functionalizes as inductor does, quickly)."""
-    from torch._dynamo.backends.registry import lookup_backend
+    (`counting_backend`)."""
     from transformers import CompileConfig
 
-    def counting_backend(graph, example_inputs):
-        graphs.append(graph)
-        return lookup_backend("aot_eager")(graph, example_inputs)
-
-    config = CompileConfig(backend=counting_backend, fullgraph=fullgraph, mode=None)
+    config = CompileConfig(backend=counting_backend(graphs), fullgraph=fullgraph, mode=None)
     config._compile_all_devices = True  # generate() compiles on CUDA only by default
     return config
 

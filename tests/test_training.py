@@ -5,6 +5,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from foxlm.training import CHECKPOINTING_ARGUMENT
+from tests.conftest import counting_backend
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -34,17 +35,6 @@ def test_trainer_with_gradient_accumulation_trains_and_saves(make_model, tmp_pat
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     trainer.save_model(str(tmp_path / "final"))
     assert (tmp_path / "final" / "model.safetensors").exists()
-
-
-def counting_backend(graphs):
-    """aot_eager (traces and differentiates as inductor does, quickly) that appends each graph it gets."""
-    from torch._dynamo.backends.registry import lookup_backend
-
-    def backend(graph, example_inputs):
-        graphs.append(graph)
-        return lookup_backend("aot_eager")(graph, example_inputs)
-
-    return backend
 
 
 def test_compiled_layer_parts_train_like_the_eager_model_and_share_graphs_across_layers(make_model):
