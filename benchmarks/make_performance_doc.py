@@ -345,8 +345,9 @@ def static_cache_parts():
               "at 32k did not fit in the H100's 80 GB (batch 64 was not tried after it). Prefilled in chunks of "
               "4,096 tokens, FoX fits at batch 32 and its fast-heads variant at 32 and 64; LLaMA does not: each "
               "chunk allocates its 4-D attention mask for the static cache (8 GiB at batch 32, 4,096 x 32,768). "
-              "The chunked rows time the decoding only: in the same session the GPU test of a static cache "
-              "with prefill_chunk_size under the compiled decode gave other tokens than the dynamic cache.",
+              "The chunked rows time the decoding only. Their prompts have no padding; the fault of chunked "
+              "prefill with left padding on a GPU that a test found in the same session is fixed since "
+              "(docs/design.md, section 8).",
               table(["batch", "prompt", "prefill", "FoX", "LLaMA", "FoX, 70% fast heads", "with eviction",
                      "FoX / LLaMA", "fast heads with eviction / LLaMA", "peak GiB FoX / LLaMA"], rows),
               "\n".join(sources)]

@@ -41,8 +41,10 @@ RECIPES = {
     "lr-1e-3": ["--lr", "1e-3"],
     "context-4k": ["--context", "4096"],
     "kernel-docs": ["--train-domains", "code,docs,kernel"],
-    "micro-batch-4": ["--micro-batch-size", "4"],
-    "compile": ["--compile"],
+    "output-gate": ["--output-gate"],
+    # The GPU default is 4 blocks per pass, compiled: these were the default (before 2026-11-27) and its parts.
+    "one-block-per-pass": ["--micro-batch-size", "1", "--no-compile"],
+    "micro-batch-4": ["--micro-batch-size", "4", "--no-compile"],
     "micro-batch-4-compile": ["--micro-batch-size", "4", "--compile"],
 }
 
@@ -85,7 +87,7 @@ def table(runs):
     """Markdown: one row per recipe, loss change vs the original below its context per domain, top-1 agreement,
     the worst band beyond the original's context against its last band (prose), needle accuracy."""
     domains = sorted({d for run in runs.values() for d in run["summary"].get("vs_original", {})})
-    header = (["recipe", "steps (seconds each)"] + [f"{d}: loss vs original" for d in domains]
+    header = (["recipe", "steps (seconds each), peak memory"] + [f"{d}: loss vs original" for d in domains]
               + [f"{d}: top-1 agreement" for d in domains]
               + ["prose: worst band past the original's context", "needle", "sampled from the original"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -95,6 +97,7 @@ def table(runs):
         training = summary.get("training", {})
         steps, seconds = training.get("steps"), training.get("seconds")
         row = [name, f"{steps} ({seconds / steps:.2f} s)" if steps and seconds else str(steps)]
+        row[-1] += f", {training['peak_memory_gib']:g} GiB" if training.get("peak_memory_gib") else ""
         row += [f"{vs[d]['loss_change']:+.1%}" if d in vs else "-" for d in domains]
         row += [f"{vs[d]['top1_agreement']:.1%}" if d in vs else "-" for d in domains]
         prose = summary["domains"].get("prose", {}).get("loss", {}).get(finetune.FINE_TUNED, {})

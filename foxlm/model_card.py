@@ -101,7 +101,10 @@ def conversion_changes(kind, config, options=None):
     ] + ([f"Added: a key and value token shift per key-value head and layer (`self_attn.k_shift_proj`, "
           f"`v_shift_proj`, FoX Pro's), initialised with zero weights and bias {options['shift_bias']:g}, mixing "
           f"{100 / (1 + math.exp(-options['shift_bias'])):.2g}% of the previous token's key and value into each "
-          "token's."] if config.use_k_shift else [])
+          "token's."] if config.use_k_shift else []) + (
+        ["Added: FoX Pro's output gate per channel and layer (`self_attn.ogate_proj`), initialised with zero weights "
+         "(a gate of 1/2), with `o_proj`'s weight doubled in return, so that it starts as no gate."]
+        if config.use_output_gate else [])
 
 
 def conversion_card(*, name, kind, source, config, dtype, tokenizer_saved, verified, source_config=None,
@@ -114,7 +117,8 @@ def conversion_card(*, name, kind, source, config, dtype, tokenizer_saved, verif
         gate = (f"--gate-init open --gate-bias {options['gate_bias']:g}" if options["gate_init"] == "open" else
                 "--gate-init decay-spread --decay-times {:g} {:g}".format(*options["decay_times"]))
         command = (f"foxlm convert llama {source} {name} {gate}" + (" --keep-rope" if config.use_rope else "")
-                   + (" --token-shift" if config.use_k_shift else ""))
+                   + (" --token-shift" if config.use_k_shift else "")
+                   + (" --output-gate" if config.use_output_gate else ""))
         next_step = ("Not yet a good language model: without RoPE (and with the new gates) the pretrained attention no "
                      "longer sees positions as it was trained to, so its loss starts well above the source's. "
                      "Fine-tuning on long documents teaches the attention to work without RoPE and the gates to "

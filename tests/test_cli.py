@@ -183,6 +183,26 @@ def test_finetune_refuses_distillation_alone_without_a_kl_weight(capsys):
     assert "--distill-only" in capsys.readouterr().err
 
 
+def test_finetune_packs_blocks_and_compiles_on_a_gpu_only_where_it_can(monkeypatch):
+    import torch
+
+    from foxlm.finetune import GPU_MICRO_BATCH, parse_args
+
+    def resolved(*argv):
+        args = parse_args(list(argv))
+        return args.micro_batch_size, args.compile
+
+    assert resolved() == (1, False)  # this machine: a CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolved() == (GPU_MICRO_BATCH, True)  # 4 blocks of 16k: the default step of 64k tokens, one pass
+    assert resolved("--context", "32768") == (2, True)  # as many blocks as the step holds
+    assert resolved("--context", "65536", "--tokens-per-step", "65536") == (1, True)
+    assert resolved("--micro-batch-size", "2", "--no-compile") == (2, False)
+    assert resolved("--context-parallel", "2") == (1, False)  # one block per pass, eager, under context parallelism
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert resolved() == (1, False)
+
+
 def test_other_commands_refuse_unknown_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--no-such-option"])

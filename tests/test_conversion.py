@@ -120,6 +120,19 @@ def test_token_shift_starts_near_no_shift_and_keeps_the_llamas_logits(tmp_path):
     assert "--token-shift" in card and "bias -6, mixing 0.25% of the previous token's key and value" in card
 
 
+def test_output_gate_starts_as_no_gate_and_keeps_the_llamas_logits(tmp_path):
+    llama = save_tiny(tmp_path / "llama")
+    out = convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", dtype="fp32", output_gate=True, **OPEN_GATES)
+    fox = FoxForCausalLM.from_pretrained(out).eval()
+    assert fox.config.use_output_gate
+    for fox_layer, llama_layer in zip(fox.model.layers, llama.model.layers):
+        assert torch.all(fox_layer.self_attn.ogate_proj.weight == 0)
+        assert torch.equal(fox_layer.self_attn.o_proj.weight, 2 * llama_layer.self_attn.o_proj.weight)
+    assert max_logit_difference(fox, llama, torch.randint(0, 97, (2, 24))) < 1e-4
+    card = (tmp_path / "fox" / "README.md").read_text()
+    assert "--output-gate" in card and "`o_proj`'s weight doubled" in card
+
+
 def test_converted_folder_tokenizer_loads_without_foxlm_or_trust_remote_code(tmp_path):
     from conftest import byte_tokenizer
 

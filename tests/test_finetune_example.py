@@ -39,7 +39,8 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
     monkeypatch.setattr(training, "compile_layer_parts",
                         lambda model: compiled.append(compile_parts(model, backend="aot_eager")))
     foxlm(["finetune", *finetune_args(root, "lora", "--gradient-checkpointing", "--eval-domains", "prose",
-                                      "--eval-length", "512", "--micro-batch-size", "2", "--compile")])
+                                      "--eval-length", "512", "--micro-batch-size", "2", "--compile",
+                                      "--output-gate")])
     assert compiled == [4 * 2]  # norms, attention and MLP of the tiny LLaMA's 2 layers
     run = root / "lora"
     for name in ("converted/config.json", "adapter/adapter_model.safetensors", "fine-tuned/model.safetensors",
@@ -68,6 +69,7 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
     assert "Attention transfer: 4 steps" in (run / "converted" / "README.md").read_text()
     converted = json.loads((run / "converted" / "config.json").read_text())
     assert converted["use_k_shift"] and converted["use_v_shift"] and converted["shift_bias"]
+    assert converted["use_output_gate"]
     # Text sampled from the original joins the training data (the CPU default: 1024 tokens, documents of <= 64).
     assert summary["teacher_samples"]["tokens"] >= 1024 and summary["teacher_samples"]["documents"] >= 1024 // 65
     assert any(line.startswith("sampled ") and "from the original" in line for line in out)
@@ -110,10 +112,50 @@ def test_resume_continues_from_the_last_checkpoint(llama_and_corpus):
     state["log_history"][0]["mark"] = "from checkpoint-2"
     state_path.write_text(json.dumps(state))
     foxlm(["finetune", *finetune_args(root, "resume", "--steps", "3", "--save-steps", "1", "--skip-eval",
-                                      "--resume")])
+                                      "--resume", "--max-minutes", "60")])  # more steps, a budget: both allowed
     history = json.loads((run / "train_log.json").read_text())
     assert history[0]["mark"] == "from checkpoint-2"  # the run went on from the checkpoint's state
     assert [entry["step"] for entry in history if "loss" in entry] == [1, 2, 3]
+    assert json.loads((run / "training_options.json").read_text())["options"]["steps"] == 3  # the new total
+
+
+class FolderPrepared(Exception):
+    """Raised in place of `prepare_run_folder`: the options' check before it passed, and nothing was loaded."""
+
+
+def test_resume_refuses_options_that_shape_training_other_than_the_runs(llama_and_corpus, monkeypatch, capsys):
+    from foxlm import outputs
+
+    root = llama_and_corpus
+    run = root / "resume-options"
+    args = ["--steps", "2", "--save-steps", "1", "--skip-eval"]
+    foxlm(["finetune", *finetune_args(root, "resume-options", *args)])
+    before = {p: p.read_bytes() if p.is_file() else None for p in run.rglob("*")}
+    for changed, messages in ((["--context", "64", "--lora-r", "8"],
+                               ["--context: trained with 128, now 64", "--lora-r: trained with 4, now 8"]),
+                              (["--full", "--steps", "1"], ["--full: trained with off, now on",
+                                                            "--steps: trained with 2, now 1 (it may grow"])):
+        with pytest.raises(SystemExit) as refused:
+            foxlm(["finetune", *finetune_args(root, "resume-options", *args, "--resume", *changed)])
+        message = str(refused.value)
+        assert message.startswith("error: --resume: ") and "\n" not in message
+        assert all(part in message for part in [*messages, "--output-dir", "training_options.json"]), message
+        assert "--eval-length" not in message and "--max-minutes" not in message  # only what differs
+        assert {p: p.read_bytes() if p.is_file() else None for p in run.rglob("*")} == before  # nothing changed
+
+    # Options that do not shape training pass the check: it comes before anything is loaded or changed.
+    def prepared(*args, **kwargs):
+        raise FolderPrepared
+
+    monkeypatch.setattr(outputs, "prepare_run_folder", prepared)
+    for changed in (["--max-minutes", "5"], ["--save-steps", "2", "--eval-length", "512", "--no-needle"]):
+        with pytest.raises(FolderPrepared):
+            foxlm(["finetune", *finetune_args(root, "resume-options", *args, "--resume", *changed)])
+    # A run an earlier foxlm started has no record: it resumes, with a warning.
+    (run / "training_options.json").unlink()
+    with pytest.raises(FolderPrepared):
+        foxlm(["finetune", *finetune_args(root, "resume-options", *args, "--resume", "--context", "64")])
+    assert "could not be checked" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mode", [[], ["--full"]], ids=["lora", "full"])

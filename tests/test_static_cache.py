@@ -67,6 +67,19 @@ def test_chunked_prefill_generates_what_one_prefill_generates(make_model, varian
         assert torch.equal(model.generate(ids, prefill_chunk_size=8, **kwargs), model.generate(ids, **kwargs))
 
 
+def test_chunked_prefill_of_a_left_padded_batch_on_the_triton_kernels(make_model):
+    """A static cache's later prefill chunk (more than the decode kernel's queries) goes through the Triton attention
+    with the cache's running gate sum, rebased at its newest token (`filled_part`), so not 0 in the left padding: the
+    kernels must read that c, not zeros, where a key-bias segment starts in the padding (Triton's interpreter, where
+    segments are 32 positions long; on a GPU the same with 128). Rows 1 and 2 differed at their first new token."""
+    pytest.importorskip("triton")
+    model = make_model(attention_backend="triton")
+    ids, mask = left_padded_batch([40, 20, 30])
+    kwargs = dict(attention_mask=mask, max_new_tokens=2, **GREEDY)
+    chunked = model.generate(ids, cache_implementation="static", prefill_chunk_size=20, **kwargs)
+    assert torch.equal(chunked, model.generate(ids, **kwargs))
+
+
 def test_text_generation_pipeline_gives_the_same_text_with_either_cache(make_model):
     tokenizer = byte_tokenizer()
     tokenizer.pad_token, tokenizer.padding_side = tokenizer.eos_token, "left"

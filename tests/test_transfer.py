@@ -102,6 +102,23 @@ def test_a_token_shift_is_trained_with_the_gates():
     assert all(a < 0.5 * b for a, b in zip(record.error_after, record.error_before)), record
 
 
+def test_an_output_gate_starts_as_no_gate_leaves_the_source_alone_and_is_trained_with_the_gates():
+    llama = tiny_llama()
+    source = snapshot(llama)
+    plain, gated = fox_from_llama(llama), fox_from_llama(llama, output_gate=True)
+    assert not changed(source, llama)  # o_proj is doubled in new storage
+    ids = token_batches(1, seed=3)[0]
+    with torch.no_grad():  # sigmoid(0) = 1/2 times a doubled o_proj: the plain conversion's attention
+        torch.testing.assert_close(gated(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+    before = snapshot(gated)
+    record = transfer_attention(llama, gated, token_batches(4, seed=1), eval_batches=token_batches(2, seed=2),
+                                **FAST)
+    assert changed(before, gated) == {f"model.layers.{i}.self_attn.{m}" for i in (0, 1)
+                                      for m in ("fgate_proj.weight", "fgate_proj.bias", "ogate_proj.weight")}
+    assert record.trained_parameters == 2 * (4 * 32 + 4) + 2 * 32 * 32
+    assert not changed(source, llama)
+
+
 def test_the_teacher_gets_no_gradient_and_stays_bit_identical():
     llama = tiny_llama()
     before = snapshot(llama)

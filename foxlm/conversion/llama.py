@@ -56,7 +56,7 @@ DEFAULT_DECAY_TIMES = (2.0, 512.0)
 # previous token mixed in, close enough to none that the converted model still computes what the source did.
 SHIFT_BIAS_INIT = -6.0
 # The tensors a FoX model has and a LLaMA-family source does not: what the converter sets itself.
-NEW_TENSORS = re.compile(r"\.self_attn\.((fgate|[kv]_shift)_proj\.(weight|bias)|o_proj\.bias)$")
+NEW_TENSORS = re.compile(r"\.self_attn\.((fgate|[kv]_shift)_proj\.(weight|bias)|ogate_proj\.weight|o_proj\.bias)$")
 # What the Hub accepts as a model id: a name, or a namespace and a name.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -116,9 +116,10 @@ def load_source_config(source):
 
 
 def fox_config_from_llama(config, *, keep_rope=False, gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS,
-                          decay_times=DEFAULT_DECAY_TIMES, token_shift=False):
-    """A FoxConfig with the source's sizes, a data-dependent forget gate, with `keep_rope` its RoPE and with
-    `token_shift` a key and value token shift (FoX Pro's) that starts near no shift."""
+                          decay_times=DEFAULT_DECAY_TIMES, token_shift=False, output_gate=False):
+    """A FoxConfig with the source's sizes, a data-dependent forget gate, with `keep_rope` its RoPE, with
+    `token_shift` a key and value token shift (FoX Pro's) that starts near no shift, and with `output_gate` FoX Pro's
+    output gate (`fox_from_llama` makes it start as no gate)."""
     check_gate_options(gate_init, gate_bias, decay_times)
     fields = {name: getattr(config, name) for name in COPIED_FIELDS if getattr(config, name, None) is not None}
     fields["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -131,6 +132,8 @@ def fox_config_from_llama(config, *, keep_rope=False, gate_init=DEFAULT_GATE_INI
         fields["decay_time_min"], fields["decay_time_max"] = map(float, decay_times)
     if token_shift:
         fields.update(use_k_shift=True, use_v_shift=True, shift_bias=True)
+    if output_gate:
+        fields["use_output_gate"] = True
     if keep_rope:
         fields.update(use_rope=True, rope_parameters=dict(config.rope_parameters))
     return FoxConfig(fgate_type="data_dependent", **fields)
@@ -141,7 +144,10 @@ def fox_from_llama(model, **options):
     """Convert a loaded LLaMA-family model to a FoxForCausalLM that shares its tensors.
 
     `options` are `fox_config_from_llama`'s. Every new parameter is set here: the forget gates get zero weights and
-    their initial bias, a Qwen2 `o_proj` gets a zero bias.
+    their initial bias, a Qwen2 `o_proj` gets a zero bias. An output gate gets zero weights, so it scales every
+    head's output by sigmoid(0) = 1/2, and `o_proj`'s weight is doubled (new storage: the source keeps its own) so
+    that the converted attention's output is the plain conversion's; training the gate lets a head scale its output
+    by the token, as softmax attention does by parking weight on a sink token, which a forget gate lets decay.
     """
     config = fox_config_from_llama(model.config, **options)
     state_dict = model.state_dict()
@@ -160,11 +166,14 @@ def fox_from_llama(model, **options):
             value = fgate_bias_init_values(config, module.out_features).to(device, dtype)
         elif name.endswith("shift_proj.bias"):
             value = torch.full(module.bias.shape, SHIFT_BIAS_INIT, dtype=dtype, device=device)
-        elif name.endswith(("fgate_proj.weight", "o_proj.bias", "shift_proj.weight")):
+        elif name.endswith(("fgate_proj.weight", "o_proj.bias", "shift_proj.weight", "ogate_proj.weight")):
             value = torch.zeros(getattr(module, param_name).shape, dtype=dtype, device=device)
         else:
             raise ConversionError(f"the source checkpoint has no tensor for {name}")
         setattr(module, param_name, torch.nn.Parameter(value))
+    if config.use_output_gate:
+        for layer in fox.model.layers:
+            layer.self_attn.o_proj.weight = torch.nn.Parameter(layer.self_attn.o_proj.weight * 2)
     if config.use_rope:  # a non-persistent buffer, still on the meta device
         fox.model.rotary_emb = type(fox.model.rotary_emb)(config=config).to(device)
     still_meta = [name for name, tensor in [*fox.named_parameters(), *fox.named_buffers()] if tensor.is_meta]
@@ -179,12 +188,15 @@ def fox_from_llama(model, **options):
 
 def convert_llama_to_fox(source, output_dir, *, keep_rope=False, dtype="auto", max_shard_size="5GB", force=False,
                          gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS, decay_times=DEFAULT_DECAY_TIMES,
-                         token_shift=False, transfer_steps=0, transfer_data=None, transfer_lr=DEFAULT_TRANSFER_LR,
+                         token_shift=False, output_gate=False, transfer_steps=0, transfer_data=None,
+                         transfer_lr=DEFAULT_TRANSFER_LR,
                          transfer_qk_rank=0, transfer_device=None):
     """Convert a LLaMA-family checkpoint (`source`: folder, Hub id or .gguf file) into a FoX model folder.
 
     With `token_shift` the FoX model gets FoX Pro's key and value token shift, starting near no shift; it gives back
     some of the position information RoPE carried (the previous token's key and value), and the transfer trains it.
+    With `output_gate` it gets FoX Pro's output gate, starting as no gate (`fox_from_llama`), also trained by the
+    transfer: a head can then scale its output token by token, as the source did by parking attention on a sink.
     With `transfer_steps` > 0 the converted model's attention is first trained to reproduce the source's
     (`transfer_attention`: the forget gates, and rank-`transfer_qk_rank` q/k updates merged into the weights) on
     `transfer_data`, an iterable of (batch, seq_len) input-id tensors (`token_batches` makes them from texts), on
@@ -201,7 +213,7 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, dtype="auto", m
                               f"got transfer_steps={transfer_steps} and transfer_data={type(transfer_data).__name__}.")
     source_config = load_source_config(source)
     options = dict(keep_rope=keep_rope, gate_init=gate_init, gate_bias=gate_bias, decay_times=decay_times,
-                   token_shift=token_shift)
+                   token_shift=token_shift, output_gate=output_gate)
     fox_config_from_llama(source_config, **options)  # validate the options before loading any weights
     source_dtype = getattr(source_config, "dtype", None)
     source_dtype = getattr(torch, source_dtype) if isinstance(source_dtype, str) else source_dtype

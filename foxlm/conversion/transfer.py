@@ -166,9 +166,9 @@ def attention_errors(teacher, student, batches):
 
 
 def gate_parameters(attention):
-    """The forget gate's parameters and, where the model has a token shift, the shift projections'."""
+    """The forget gate's parameters and, where the model has them, the token shift's and the output gate's."""
     gate = attention.fgate_proj if attention.fgate_proj is not None else attention.fgate_bias
-    modules = [gate, attention.k_shift_proj, attention.v_shift_proj]
+    modules = [gate, attention.k_shift_proj, attention.v_shift_proj, attention.ogate_proj]
     return [p for module in modules if module is not None for p in module.parameters()]
 
 

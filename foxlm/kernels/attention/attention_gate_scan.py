@@ -63,9 +63,10 @@ def _gate_scan_kernel(X, Y, Y_SEG, SUMS, FIRST, SEQ_START, T, num_heads, n_chunk
                       CHUNK: tl.constexpr, SUMS_BLOCK: tl.constexpr):
     """A float64 scan along time of CHUNK positions of one (batch, head) row, restarting at each packed sequence
     (FIRST: the first position of each token's sequence in scan order); what precedes the chunk comes from the
-    chunk sums of the first pass. Forward: Y = c, the cumsum of log f X (X itself when CUMSUM_GIVEN; log f = 0
-    before SEQ_START), and Y_SEG = `(c_t - c_s) * log2(e)` in fp32, s the first position of t's segment
-    (`attention_triton._key_block`). REVERSE: Y = the suffix sums of X (d log f from dL/dc), zero before SEQ_START."""
+    chunk sums of the first pass. Forward: Y = c, the cumsum of log f X (X itself, before SEQ_START too, when
+    CUMSUM_GIVEN; else log f = 0 before SEQ_START), and Y_SEG = `(c_t - c_s) * log2(e)` in fp32, s the first
+    position of t's segment (`attention_triton._key_block`). REVERSE: Y = the suffix sums of X (d log f from dL/dc),
+    zero before SEQ_START."""
     pid = tl.program_id(0)
     row = pid // n_chunks
     chunk = pid - row * n_chunks
@@ -85,9 +86,13 @@ def _gate_scan_kernel(X, Y, Y_SEG, SUMS, FIRST, SEQ_START, T, num_heads, n_chunk
             first, first0 = T - 1 - first, T - 1 - first0
     else:
         first, first0 = 0, 0
-    if CUMSUM_GIVEN:  # forward only: c is X, and c_s is read where it lies
-        y = x
-        key = x - tl.load(X + (u - (u - first) % SEGMENT).to(tl.int64) * stride_xt, mask=valid, other=0.0)
+    if CUMSUM_GIVEN:
+        # Forward only: c is X as given, not zeroed before kv_start (`x`), and c_s is read where it lies. The kernels
+        # add c_s from Y back to the key biases (`attention_triton._segment_shift`), so Y must hold the c_s that the
+        # key biases left out, also where a segment starts in the left padding: a cache's c is not 0 there (the
+        # static cache's `filled_part` rebases it, the dynamic cache's `_move_masked_first` fills it).
+        y = tl.load(X + u.to(tl.int64) * stride_xt, mask=valid, other=0.0).to(tl.float64)
+        key = y - tl.load(X + (u - (u - first) % SEGMENT).to(tl.int64) * stride_xt, mask=valid, other=0.0)
     else:
         # Carry into the chunk: the sum from the start of its first position's sequence, whole chunks by their
         # sums less the part of the first one before that start.
@@ -147,10 +152,10 @@ def _gate_scan(x, x_strides, y, y_strides, y_seg, batch, heads, length, cu_seqle
 
 def triton_gate_cumsum(gate, gate_is_cumsum, cu_seqlens=None, seq_start=None):
     """(c, key_bias) for the kernels from a (B, T, H) gate (`_gate_scan`): c the float64 cumsum of log f (the gate
-    itself when `gate_is_cumsum`), restarted at each packed sequence, log f = 0 before `seq_start`; key_bias the fp32
-    `(c_t - c_s) * log2(e)`, s the first position of t's SEGMENT-long segment counted from its sequence's start (the
-    kernels add `c_s - anchor` back once per key block, `attention_triton._segment_shift`). Both (B, H, T), unit
-    stride along T."""
+    itself when `gate_is_cumsum`, before `seq_start` too), restarted at each packed sequence, log f = 0 before
+    `seq_start`; key_bias the fp32 `(c_t - c_s) * log2(e)`, s the first position of t's SEGMENT-long segment counted
+    from its sequence's start (the kernels add `c_s - anchor` back once per key block,
+    `attention_triton._segment_shift`). Both (B, H, T), unit stride along T."""
     B, T, H = gate.shape
     c = torch.empty(B, H, T, device=gate.device, dtype=torch.float64)
     key_bias = torch.empty(B, H, T, device=gate.device, dtype=torch.float32)

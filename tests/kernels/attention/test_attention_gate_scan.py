@@ -16,7 +16,8 @@ from foxlm.kernels.attention.attention_gate_scan import SEGMENT, triton_gate_cum
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("layout", ["dense", "left padding", "packed", "cumsum given", "packed cumsum given"])
+@pytest.mark.parametrize("layout", ["dense", "left padding", "packed", "cumsum given", "packed cumsum given",
+                                    "left padding cumsum given"])
 def test_gate_scans_match_torch_across_chunks_sequences_and_segments(layout):
     # c, the key biases and d log f from the scan launches against torch ops in float64 (the interpreter's scan
     # chunks are 32 positions long, so T = 100 crosses chunks, segments and, packed, sequences inside a chunk).
@@ -24,9 +25,11 @@ def test_gate_scans_match_torch_across_chunks_sequences_and_segments(layout):
     B, T, H = (1 if packed else 3), 100, 3
     bounds = [0, 5, 5, 33, 34, 70, 100] if packed else [0, T]
     cu_seqlens = torch.tensor(bounds, device=DEVICE, dtype=torch.int32) if packed else None
-    seq_start = torch.tensor([0, 13, 40], device=DEVICE) if layout == "left padding" else None
+    seq_start = torch.tensor([0, 13, 40], device=DEVICE) if "left padding" in layout else None
     log_fgate = F.logsigmoid(torch.randn(B, T, H, device=DEVICE) * 3)
     c_want = fgate_cumsum_float64(log_fgate, False, cu_seqlens, seq_start)
+    if given and seq_start is not None:  # a cache's c, rebased at its newest token: not 0 in the padding
+        c_want = c_want - c_want[..., -1:]
     gate = c_want.transpose(1, 2).float() if given else log_fgate
     if given:
         c_want = gate.transpose(1, 2).double()  # taken as given, after its rounding to fp32
