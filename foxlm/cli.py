@@ -211,7 +211,7 @@ def add_convert_commands(commands):
                             "weight on the first token, which a forget gate lets decay")
     transfer = llama.add_argument_group(
         "attention transfer (docs/retrofit.md)",
-        "Train each layer's forget gate (and token shift), and a low-rank update of q_proj/k_proj with "
+        "Train each layer's forget gate (and token shift, output gate), and a low-rank update of q_proj/k_proj with "
         "--transfer-qk-rank, to reproduce "
         "the source's attention outputs on the source's hidden states before saving. Minutes on a GPU; recovers much "
         "of what dropping RoPE loses, before any fine-tuning.")

@@ -318,7 +318,8 @@ def conversion_notes(config):
 
 def transfer_note(record, lr):
     """The model card's line on an attention transfer."""
-    trained = "the forget gates" + (f" and rank-{record.qk_rank} q/k updates (merged)" if record.qk_rank else "")
+    trained = "the forget gates (with the token shift and output gate where added)" + (
+        f" and rank-{record.qk_rank} q/k updates (merged)" if record.qk_rank else "")
     mean = lambda errors: sum(errors) / len(errors)  # noqa: E731
     return (f"Attention transfer: {record.steps} steps (Adam, lr {lr:g}) trained {trained} so that every layer's "
             "attention reproduces the source's attention output on the source's hidden states; mean layer error "

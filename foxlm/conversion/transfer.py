@@ -183,16 +183,16 @@ def transfer_attention(teacher, student, batches, *, steps, lr=DEFAULT_LR, qk_ra
         batches: an iterable of (batch, seq_len) input-id tensors, cycled through when `steps` is larger.
         steps: optimizer steps (0 only measures the errors).
         lr: Adam's learning rate (constant; no weight decay).
-        qk_rank: 0 trains the forget gates (and token shift) only; r > 0 also trains a rank-r update of each
-            layer's q_proj and k_proj weights, merged into them at the end (the student stays a plain model).
+        qk_rank: 0 trains the forget gates (and token shift, output gate) only; r > 0 also trains a rank-r update
+            of each layer's q_proj and k_proj weights, merged into them at the end (the student stays a plain model).
         eval_batches: batches on which `error_before` and `error_after` are measured (default: the first batch).
         seed: seeds the low-rank updates' initialisation, the only randomness (the data order is the caller's).
         progress: show a tqdm bar with the loss.
 
-    Trained: each layer's forget gate (`fgate_proj` weight and bias) and token shift if the student has one
-    (`k_shift_proj`, `v_shift_proj`), in fp32 (cast back to the model's dtype at the end), plus the q/k updates with
-    `qk_rank`; every other tensor stays bit-identical. The student runs in eval mode
-    (no dropout) and gets back its training mode and `requires_grad` flags at the end. Teacher and student compute
+    Trained: each layer's forget gate (`fgate_proj` weight and bias), token shift and output gate if the student has
+    them (`k_shift_proj`, `v_shift_proj`, `ogate_proj`), in fp32 (cast back to the model's dtype at the end), plus
+    the q/k updates with `qk_rank`; every other tensor stays bit-identical. The student runs in eval mode (no
+    dropout) and gets back its training mode and `requires_grad` flags at the end. Teacher and student compute
     under autocast: to the model's dtype when it is bf16 or fp16, to bf16 for an fp32 model on a GPU.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
