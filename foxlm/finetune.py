@@ -500,11 +500,10 @@ def check_resumed_options(args, run_dir, options):
 def record_training_options(run_dir, options, recorded=None):
     """DIR/OPTIONS_FILE, written whole, when training starts (with --resume only when `options` change the
     `recorded` ones: a larger --steps, or the first record of an earlier foxlm's run)."""
-    from foxlm.outputs import stamp, write_file_atomic
+    from foxlm.evaluation import write_json
 
     if options != recorded:
-        write_file_atomic(run_dir / OPTIONS_FILE, json.dumps({"written_by": stamp(), "options": options}, indent=1)
-                          + "\n")
+        write_json({"options": options}, run_dir / OPTIONS_FILE)
 
 
 def start_run(args, run_dir, source, processes):

@@ -189,8 +189,7 @@ def fox_from_llama(model, **options):
 def convert_llama_to_fox(source, output_dir, *, keep_rope=False, dtype="auto", max_shard_size="5GB", force=False,
                          gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS, decay_times=DEFAULT_DECAY_TIMES,
                          token_shift=False, output_gate=False, transfer_steps=0, transfer_data=None,
-                         transfer_lr=DEFAULT_TRANSFER_LR,
-                         transfer_qk_rank=0, transfer_device=None):
+                         transfer_lr=DEFAULT_TRANSFER_LR, transfer_qk_rank=0, transfer_device=None):
     """Convert a LLaMA-family checkpoint (`source`: folder, Hub id or .gguf file) into a FoX model folder.
 
     With `token_shift` the FoX model gets FoX Pro's key and value token shift, starting near no shift; it gives back
