@@ -40,6 +40,7 @@ SOURCES = {
     "static_generate": ("decode_NVIDIA_H100_80GB_HBM3_20261126-1658.json",
                         "FOXLM_AUTOTUNE=0 python benchmarks/bench_decode.py --parts generate --cache-implementations "
                         "dynamic,static --new-tokens 128"),
+    # (file, command[, a note on the run])
     "serving": [
         ("decode_NVIDIA_H100_80GB_HBM3_20261127-0010.json",
          "FOXLM_AUTOTUNE=0 python benchmarks/bench_decode.py --parts serving --serving-batches 1,8,32,64 "
@@ -56,6 +57,10 @@ SOURCES = {
         ("decode_NVIDIA_H100_80GB_HBM3_20261127-0913.json",
          "FOXLM_AUTOTUNE=0 python benchmarks/bench_decode.py --parts serving --serving-batches 32,64 "
          "--serving-prompts 32768 --prefill-chunk-size 4096 --new-tokens 128 --cache-implementations static"),
+        ("decode_NVIDIA_H200_20261127-1550.json",
+         "FOXLM_AUTOTUNE=0 python benchmarks/bench_decode.py --parts serving --serving-batches 32 "
+         "--serving-prompts 32768 --prefill-chunk-size 4096 --new-tokens 128 --cache-implementations static",
+         "One GPU of a 4-GPU host whose other three GPUs ran training (the host's CPUs shared)."),
     ],
     "layer_ops": ("layer_ops_NVIDIA_H100_80GB_HBM3_20261123-0922.json", "python benchmarks/bench_layer_ops.py"),
     "fsdp": [
@@ -321,35 +326,44 @@ def static_cache_parts():
              table(["prompt", "FoX dynamic", "FoX static", "static / dynamic", "LLaMA dynamic (SDPA default)",
                     "LLaMA static", "FoX / LLaMA, static"], rows)]
     models = ("fox", "llama", "fox-fast-heads", "fox-fast-heads+eviction")
-    rows, sources = [], []
-    for name, command in SOURCES["serving"]:
+    rows, sources, llama_fits = [], [], []
+    for run, (name, command, *note) in enumerate(SOURCES["serving"], 1):
         record = load(name)
-        peak = {(row["model"], row["batch"], row["prompt"]): row.get("peak_memory_bytes") for row in record["serving"]}
+        device = record["device"].replace("NVIDIA ", "")
+        serving = {(row["model"], row["batch"], row["prompt"]): row for row in record["serving"]}
         chunk = record["serving"][0].get("prefill_chunk_size")
         prefill = f"chunks of {chunk // 1024}k" if chunk else "whole"
         for row in record["serving_summary"]:
             rate = row["decode_tokens_per_s"]
             cells = [f"{rate[model]:,.0f}" if rate.get(model) else "out of memory" for model in models]
-            gib = [peak.get((model, row["batch"], row["prompt"])) for model in ("fox", "llama")]
+            gib = [serving.get((model, row["batch"], row["prompt"]), {}).get("peak_memory_bytes")
+                   for model in ("fox", "llama")]
             rows.append([row["batch"], f"{row['prompt'] // 1024}k", prefill, *cells,
                          f"{row['fox_over_llama']:.2f}×" if row["fox_over_llama"] else "–",
                          f"{rate['fox-fast-heads+eviction'] / rate['llama']:.2f}×"
                          if rate.get("fox-fast-heads+eviction") and rate.get("llama") else "–",
-                         " / ".join(f"{value / 2**30:.0f}" if value else "–" for value in gib)])
-        sources.append(provenance(record, name, command))
+                         " / ".join(f"{value / 2**30:.0f}" if value else "–" for value in gib), f"{device} [{run}]"])
+            if chunk and rate.get("llama"):
+                prefill_s = [serving[(model, row["batch"], row["prompt"])]["prefill_s"] for model in ("fox", "llama")]
+                llama_fits.append(f"On an {device} [{run}] LLaMA fits at batch {row['batch']}, "
+                                  f"{row['prompt'] // 1024}k, and FoX decodes {row['fox_over_llama']:.2f}× as fast "
+                                  f"(prefill {prefill_s[0]:.1f} s against LLaMA's {prefill_s[1]:.1f} s).")
+        sources.append(f"{run}. " + " ".join([provenance(record, name, command), *note]))
     rows.sort(key=lambda row: (int(row[1][:-1]), row[0]))
-    parts += ["Batch serving with the static cache, decode tokens/s of the whole batch, the same ~1B models; the "
-              "fast-heads FoX (head dim 128) has 70% of its heads forgetting fast (same weights with and without "
-              "eviction; with a static cache eviction frees no memory, the pruned keys are skipped as ACP skips "
-              "them). Peak memory holds the weights of all four models. With the whole prompt in one forward, batch 32 "
-              "at 32k did not fit in the H100's 80 GB (batch 64 was not tried after it). Prefilled in chunks of "
-              "4,096 tokens, FoX fits at batch 32 and its fast-heads variant at 32 and 64; LLaMA does not: each "
-              "chunk allocates its 4-D attention mask for the static cache (8 GiB at batch 32, 4,096 x 32,768). "
-              "The chunked rows time the decoding only. Their prompts have no padding; the fault of chunked "
-              "prefill with left padding on a GPU that a test found in the same session is fixed since "
-              "(docs/design.md, section 8).",
+    parts += [" ".join([
+                  "Batch serving with the static cache, decode tokens/s of the whole batch, the same ~1B models; the "
+                  "fast-heads FoX (head dim 128) has 70% of its heads forgetting fast (same weights with and without "
+                  "eviction; with a static cache eviction frees no memory, the pruned keys are skipped as ACP skips "
+                  "them). Peak memory holds the weights of all four models. With the whole prompt in one forward, "
+                  "batch 32 at 32k did not fit in the H100's 80 GB (batch 64 was not tried after it). Prefilled in "
+                  "chunks of 4,096 tokens on the H100, FoX fits at batch 32 and its fast-heads variant at 32 and 64; "
+                  "LLaMA does not: each chunk allocates its 4-D attention mask for the static cache (8 GiB at batch "
+                  "32, 4,096 x 32,768).", *llama_fits,
+                  "The chunked rows time the decoding only. Their prompts have no padding; the fault of chunked "
+                  "prefill with left padding on a GPU that a test found in the same session is fixed since "
+                  "(docs/design.md, section 8)."]),
               table(["batch", "prompt", "prefill", "FoX", "LLaMA", "FoX, 70% fast heads", "with eviction",
-                     "FoX / LLaMA", "fast heads with eviction / LLaMA", "peak GiB FoX / LLaMA"], rows),
+                     "FoX / LLaMA", "fast heads with eviction / LLaMA", "peak GiB FoX / LLaMA", "GPU [run]"], rows),
               "\n".join(sources)]
     return parts
 

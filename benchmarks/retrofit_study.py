@@ -41,7 +41,9 @@ RECIPES = {
     "lr-1e-3": ["--lr", "1e-3"],
     "context-4k": ["--context", "4096"],
     "kernel-docs": ["--train-domains", "code,docs,kernel"],
-    "output-gate": ["--output-gate"],
+    # The output gate is the default since 2026-11-27 (the study's "output-gate" recipe then; "default" was this one).
+    "no-output-gate": ["--no-output-gate"],
+    "transfer-800": ["--transfer-steps", "800"],
     # The GPU default is 4 blocks per pass, compiled: these were the default (before 2026-11-27) and its parts.
     "one-block-per-pass": ["--micro-batch-size", "1", "--no-compile"],
     "micro-batch-4": ["--micro-batch-size", "4", "--no-compile"],

@@ -208,7 +208,8 @@ def add_convert_commands(commands):
     llama.add_argument("--output-gate", action="store_true",
                        help="add FoX Pro's output gate (starting as no gate; the attention transfer trains it): a "
                             "head can scale its output token by token, as softmax attention does by parking its "
-                            "weight on the first token, which a forget gate lets decay")
+                            "weight on the first token, which a forget gate lets decay. `foxlm finetune` converts "
+                            "with it")
     transfer = llama.add_argument_group(
         "attention transfer (docs/retrofit.md)",
         "Train each layer's forget gate (and token shift, output gate), and a low-rank update of q_proj/k_proj with "

@@ -108,14 +108,15 @@ def parse_args(argv=None, prog=None):
                       help=f"documents sampled at once ({machine_default('sample_batch_size')})")
     transfer = parser.add_argument_group(
         "attention transfer (stage 1, while converting; docs/retrofit.md)",
-        "Each layer's forget gate, token shift (and output gate) and a low-rank update of q_proj/k_proj learn to "
+        "Each layer's forget gate, token shift, output gate and a low-rank update of q_proj/k_proj learn to "
         "reproduce the original attention outputs, on the original's hidden states; no backward through the model.")
     transfer.add_argument("--token-shift", action=argparse.BooleanOptionalAction, default=True,
                           help="convert with FoX Pro's key and value token shift, which gives back the previous-token "
                                "information RoPE carried (default: on)")
-    transfer.add_argument("--output-gate", action=argparse.BooleanOptionalAction, default=False,
-                          help="convert with FoX Pro's output gate, trained from the start (docs/retrofit.md; "
-                               "default: off)")
+    transfer.add_argument("--output-gate", action=argparse.BooleanOptionalAction, default=True,
+                          help="convert with FoX Pro's output gate, trained from the start: a head can scale its "
+                               "output down, as the original did by parking attention on the first token "
+                               "(docs/retrofit.md; default: on)")
     transfer.add_argument("--transfer-steps", type=int, default=None,
                           help=f"optimizer steps, 0 to skip the stage ({machine_default('transfer_steps')})")
     transfer.add_argument("--transfer-qk-rank", type=int, default=8,

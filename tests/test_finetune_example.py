@@ -39,8 +39,7 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
     monkeypatch.setattr(training, "compile_layer_parts",
                         lambda model: compiled.append(compile_parts(model, backend="aot_eager")))
     foxlm(["finetune", *finetune_args(root, "lora", "--gradient-checkpointing", "--eval-domains", "prose",
-                                      "--eval-length", "512", "--micro-batch-size", "2", "--compile",
-                                      "--output-gate")])
+                                      "--eval-length", "512", "--micro-batch-size", "2", "--compile")])
     assert compiled == [4 * 2]  # norms, attention and MLP of the tiny LLaMA's 2 layers
     run = root / "lora"
     for name in ("converted/config.json", "adapter/adapter_model.safetensors", "fine-tuned/model.safetensors",
@@ -65,7 +64,8 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
     assert out[-1] == f"plot: {run / 'evaluation.png'}"
     assert any(line.startswith("prose: fine-tuned vs original at positions < 128: loss ") for line in out)
     assert any(line.startswith("needle in a haystack (prose), converted, fine-tuned: 512") for line in out)
-    # The recipe's stages: token shift and attention transfer while converting, distillation while fine-tuning.
+    # The recipe's stages: token shift, output gate and attention transfer while converting, distillation while
+    # fine-tuning.
     assert "Attention transfer: 4 steps" in (run / "converted" / "README.md").read_text()
     converted = json.loads((run / "converted" / "config.json").read_text())
     assert converted["use_k_shift"] and converted["use_v_shift"] and converted["shift_bias"]
@@ -83,14 +83,15 @@ def test_full_finetuning_and_evaluation_run_as_two_invocations_within_a_time_bud
     root = llama_and_corpus
     run = root / "full"
     foxlm(["finetune", *finetune_args(root, "full", "--full", "--steps", "50", "--max-minutes", "1e-6",
-                                      "--skip-eval", "--no-token-shift", "--distill-only", "--sample-temperature",
-                                      "0.7")])
+                                      "--skip-eval", "--no-token-shift", "--no-output-gate", "--distill-only",
+                                      "--sample-temperature", "0.7")])
     assert "budget ended training after 1 steps" in capsys.readouterr().out
     # Every training position lies inside the original's context (128): with --distill-only the KL alone trains.
     logged = [entry for entry in json.loads((run / "train_log.json").read_text()) if "loss" in entry]
     assert logged and all(entry["ce"] == 0 and entry["kl"] > 0 for entry in logged), logged
     assert "KL(original || FoX) of the next-token distributions alone" in (run / "fine-tuned" / "README.md").read_text()
-    assert not json.loads((run / "fine-tuned" / "config.json").read_text())["use_k_shift"]
+    config = json.loads((run / "fine-tuned" / "config.json").read_text())
+    assert not config["use_k_shift"] and not config["use_output_gate"]
     assert not (run / "evaluation.json").exists() and not (run / "adapter").exists()
     # The fine-tuned folder is a complete model: it loads with the Auto classes and generates.
     model = AutoModelForCausalLM.from_pretrained(run / "fine-tuned")

@@ -78,7 +78,8 @@ def _gate_scan_kernel(X, Y, Y_SEG, SUMS, FIRST, SEQ_START, T, num_heads, n_chunk
     u = u0 + tl.arange(0, CHUNK)  # scan order; time t = T - 1 - u when REVERSE
     t = T - 1 - u if REVERSE else u
     valid = u < T
-    x = _scan_input(X, u, T, stride_xt, kv_start, REVERSE, HAS_SEQ_START)
+    # A given c is kept as it is before kv_start too (see the CUMSUM_GIVEN branch): only log f is zeroed there.
+    x = _scan_input(X, u, T, stride_xt, kv_start, REVERSE, HAS_SEQ_START and not CUMSUM_GIVEN)
     if IS_VARLEN:
         first = tl.load(FIRST + t, mask=valid, other=0)
         first0 = tl.load(FIRST + (T - 1 - u0 if REVERSE else u0))
@@ -87,11 +88,11 @@ def _gate_scan_kernel(X, Y, Y_SEG, SUMS, FIRST, SEQ_START, T, num_heads, n_chunk
     else:
         first, first0 = 0, 0
     if CUMSUM_GIVEN:
-        # Forward only: c is X as given, not zeroed before kv_start (`x`), and c_s is read where it lies. The kernels
-        # add c_s from Y back to the key biases (`attention_triton._segment_shift`), so Y must hold the c_s that the
-        # key biases left out, also where a segment starts in the left padding: a cache's c is not 0 there (the
-        # static cache's `filled_part` rebases it, the dynamic cache's `_move_masked_first` fills it).
-        y = tl.load(X + u.to(tl.int64) * stride_xt, mask=valid, other=0.0).to(tl.float64)
+        # Forward only: c is X as given, and c_s is read where it lies. The kernels add c_s from Y back to the key
+        # biases (`attention_triton._segment_shift`), so Y must hold the c_s that the key biases left out, also where
+        # a segment starts in the left padding: a cache's c is not 0 there (the static cache's `filled_part` rebases
+        # it, the dynamic cache's `_move_masked_first` fills it).
+        y = x
         key = y - tl.load(X + (u - (u - first) % SEGMENT).to(tl.int64) * stride_xt, mask=valid, other=0.0)
     else:
         # Carry into the chunk: the sum from the start of its first position's sequence, whole chunks by their
