@@ -87,11 +87,13 @@ def band_change(bands, label, reference, band):
 
 def table(runs):
     """Markdown: one row per recipe, loss change vs the original below its context per domain, top-1 agreement,
-    the worst band beyond the original's context against its last band (prose), needle accuracy."""
+    prose's worst band below the original's context against the original's, prose's worst band beyond it against
+    its last band inside, needle accuracy."""
     domains = sorted({d for run in runs.values() for d in run["summary"].get("vs_original", {})})
     header = (["recipe", "steps (seconds each), peak memory"] + [f"{d}: loss vs original" for d in domains]
               + [f"{d}: top-1 agreement" for d in domains]
-              + ["prose: worst band past the original's context", "needle", "sampled from the original"])
+              + ["prose: worst band below the original's context", "prose: worst band past the original's context",
+                 "needle", "sampled from the original"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, run in runs.items():
         summary = run["summary"]
@@ -102,11 +104,14 @@ def table(runs):
         row[-1] += f", {training['peak_memory_gib']:g} GiB" if training.get("peak_memory_gib") else ""
         row += [f"{vs[d]['loss_change']:+.1%}" if d in vs else "-" for d in domains]
         row += [f"{vs[d]['top1_agreement']:.1%}" if d in vs else "-" for d in domains]
-        prose = summary["domains"].get("prose", {}).get("loss", {}).get(finetune.FINE_TUNED, {})
+        loss = summary["domains"].get("prose", {}).get("loss", {})
+        prose, original = loss.get(finetune.FINE_TUNED, {}), loss.get(finetune.ORIGINAL, {})
         within = summary.get("within_original_context")
-        inside = [v for band, v in prose.items() if v is not None and int(band.split("-")[1]) <= within]
-        beyond = [v for band, v in prose.items() if v is not None and int(band.split("-")[0]) >= within]
-        row.append(f"{max(beyond) - inside[-1]:+.3f} nats" if inside and beyond else "-")
+        inside = [band for band, v in prose.items() if v is not None and int(band.split("-")[1]) <= within]
+        beyond = [prose[band] for band, v in prose.items() if v is not None and int(band.split("-")[0]) >= within]
+        worst_inside = max((prose[band] / original[band] - 1 for band in inside if original.get(band)), default=None)
+        row.append("-" if worst_inside is None else f"{worst_inside:+.1%}")
+        row.append(f"{max(beyond) - prose[inside[-1]]:+.3f} nats" if inside and beyond else "-")
         needle = (summary.get("needle") or {}).get(finetune.FINE_TUNED, {})
         row.append(", ".join(f"{int(c) // 1024}k {a:.0%}" if int(c) >= 1024 else f"{c} {a:.0%}"
                              for c, a in needle.items()) or "-")

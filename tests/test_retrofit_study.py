@@ -1,6 +1,7 @@
 """benchmarks/retrofit_study.py on a tiny LLaMA: recipes side by side, here two at the same time (`--gpus`, which
 on a machine without CUDA runs each recipe's process on the CPU)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -36,6 +37,19 @@ def test_recipes_run_at_the_same_time_and_land_in_one_record(tmp_path):
         assert (root / "study" / name / "fine-tuned" / "model.safetensors").exists()
         assert "fine-tuning" in (root / "study" / f"{name}.log").read_text()
         assert f"| {name} | 2 (" in record["table"]  # steps, then each step's seconds
+
+
+def test_the_table_gives_prose_worst_bands_inside_and_past_the_originals_context():
+    spec = importlib.util.spec_from_file_location("retrofit_study", STUDY)
+    retrofit_study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(retrofit_study)
+    edges = ["0-512", "512-2048", "2048-4096", "4096-8192", "8192-16384"]
+    summary = {"within_original_context": 8192, "training": {"steps": 10, "seconds": 15.0},
+               "vs_original": {"prose": {"loss_change": 0.03, "top1_agreement": 0.71}},
+               "domains": {"prose": {"loss": {"original (RoPE)": dict(zip(edges, [3.5, 3.2, 3.2, 3.2, 4.6])),
+                                               "converted, fine-tuned": dict(zip(edges, [3.5, 3.36, 3.2, 3.3, 3.4]))}}}}
+    row = retrofit_study.table({"r": {"summary": summary}}).splitlines()[-1].split(" | ")
+    assert row[1:6] == ["10 (1.50 s)", "+3.0%", "71.0%", "+5.0%", "+0.100 nats"]  # 3.36 / 3.2; 3.4 - 3.3
 
 
 @pytest.mark.parametrize("gpus", ["0,0", "cuda:0"])
