@@ -81,7 +81,8 @@ def cached_samples():
 
 
 def band_change(bands, label, reference, band):
-    value, base = bands[label].get(band), bands[reference].get(band)
+    """`label`'s loss in `band` relative to `reference`'s, or None where either has none."""
+    value, base = bands.get(label, {}).get(band), bands.get(reference, {}).get(band)
     return None if value is None or base is None else value / base - 1
 
 
@@ -105,11 +106,12 @@ def table(runs):
         row += [f"{vs[d]['loss_change']:+.1%}" if d in vs else "-" for d in domains]
         row += [f"{vs[d]['top1_agreement']:.1%}" if d in vs else "-" for d in domains]
         loss = summary["domains"].get("prose", {}).get("loss", {})
-        prose, original = loss.get(finetune.FINE_TUNED, {}), loss.get(finetune.ORIGINAL, {})
+        prose = loss.get(finetune.FINE_TUNED, {})
         within = summary.get("within_original_context")
         inside = [band for band, v in prose.items() if v is not None and int(band.split("-")[1]) <= within]
         beyond = [prose[band] for band, v in prose.items() if v is not None and int(band.split("-")[0]) >= within]
-        worst_inside = max((prose[band] / original[band] - 1 for band in inside if original.get(band)), default=None)
+        changes = [band_change(loss, finetune.FINE_TUNED, finetune.ORIGINAL, band) for band in inside]
+        worst_inside = max((change for change in changes if change is not None), default=None)
         row.append("-" if worst_inside is None else f"{worst_inside:+.1%}")
         row.append(f"{max(beyond) - prose[inside[-1]]:+.3f} nats" if inside and beyond else "-")
         needle = (summary.get("needle") or {}).get(finetune.FINE_TUNED, {})
