@@ -22,12 +22,13 @@ OUTPUT = ROOT / "docs" / "performance.md"
 
 # The result file behind each section and the command that wrote it (the files do not record their command line).
 SOURCES = {
-    "attention": ("attention_NVIDIA_H100_80GB_HBM3_20261126-1352.json",
+    "attention": ("attention_NVIDIA_H200_20261127-1550.json",
                   "FOXLM_AUTOTUNE=0 python benchmarks/bench_attention.py --quick"),
     "acp": [
         ("attention_acp_NVIDIA_H100_80GB_HBM3_20261126-1352.json",
          "FOXLM_AUTOTUNE=0 python benchmarks/bench_attention.py --acp-only"),
         ("attention_acp_NVIDIA_H200_20261124-0840.json", "python benchmarks/bench_attention.py --acp-only"),
+        ("attention_NVIDIA_H200_20261127-1550.json", "FOXLM_AUTOTUNE=0 python benchmarks/bench_attention.py --quick"),
     ],
     # (file, command, the head dim whose rows it gives: each was measured with that head dim's launch defaults)
     "decode_attention": [
@@ -180,7 +181,7 @@ def acp_section():
 
             pruned = impls["foxlm-triton gate mix 70/30, ACP, U given"]["pruned_fraction"]
             rows.append([
-                record["device"].replace("NVIDIA ", ""), row["D"], f"{cudnn:.2f}",
+                f"{record['device'].replace('NVIDIA ', '')}, {record['date'][:10]}", row["D"], f"{cudnn:.2f}",
                 f"{ms('gate mix 70/30, no ACP'):.2f}",
                 f"{ms('gate mix 70/30, ACP, U measured'):.2f} ({cudnn / ms('gate mix 70/30, ACP, U measured'):.2f}×)",
                 f"{ms('gate mix 70/30, ACP, U given'):.2f} (**{cudnn / ms('gate mix 70/30, ACP, U given'):.2f}×**)",
@@ -195,7 +196,7 @@ def acp_section():
         "(N(8, 1)), as in the ACP paper; open gates (log f = 0) have nothing to prune and show what pruning costs. "
         "\"U given\" is what a QK-norm model passes; \"U measured\" adds the bound's measurement from q and k.",
         "\n".join(sources),
-        table(["GPU", "D", "SDPA cuDNN", "mix, no ACP", "mix, ACP, U measured", "mix, ACP, U given", "pruned",
+        table(["GPU, date", "D", "SDPA cuDNN", "mix, no ACP", "mix, ACP, U measured", "mix, ACP, U given", "pruned",
                "open gates, no ACP", "open gates: ACP vs none (U measured / given)"], rows),
     ])
 
