@@ -9,6 +9,9 @@ context. Run by benchmarks/run_context_parallel.sh (torchrun, NCCL; gloo on CPUs
    GPU and with context parallelism over all (one sequence per step, 3 steps, the last `--sweep-steps - 1` timed):
    tokens/s per GPU and peak memory at each context.
 
+With `--fsdp2` the context-parallel side also shards weights, gradients and AdamW state over the same processes
+(FSDP2's `fully_shard` per decoder layer and at the root), the composition docs/context-parallel.md describes.
+
 Data: the Python standard library's sources as bytes (token ids < 256 of the 32000-token vocabulary), one file per
 document, packed into one row with `position_ids` restarting at each file, labels -100 at each file's first token.
 The sweeps train on one long document (no packing). Model: FoX (Pro), `--size` as in bench_training (760m: 24 x
@@ -46,6 +49,11 @@ def parse_args(argv=None):
     parser.add_argument("--budget-minutes", type=float, default=6.0,
                         help="no new trial after this many minutes; the one-GPU sweep may take half of what the "
                              "numerics leave (default: %(default)s)")
+    parser.add_argument("--fsdp2", action="store_true",
+                        help="shard weights, gradients and optimizer state over the group with FSDP2 (fully_shard "
+                             "per decoder layer and at the root) on the context-parallel side")
+    parser.add_argument("--one-gpu-sweep", action=argparse.BooleanOptionalAction, default=True,
+                        help="the longest context on one GPU too (default: on)")
     parser.add_argument("--nccl-timeout", type=int, default=300, help="seconds (default: %(default)s)")
     parser.add_argument("--out", default=None,
                         help="folder of the JSON result (default: $OUT, else benchmarks/results)")
@@ -103,26 +111,40 @@ class ByteStream:
         return {k: v.to(device) for k, v in batch.items()}
 
 
-def build(args, device):
+def build(args, device, group=None):
+    """The model, with context parallelism over `group` when given (and FSDP2 over it with `--fsdp2`)."""
     torch.manual_seed(0)
     with device:
         model = build_model("fox-pro", args.size, args.numerics_context, acp=args.acp == "on").train()
     enable_checkpointing(model)
+    if group is not None:
+        model.enable_context_parallel(group)
+        if args.fsdp2:
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = DeviceMesh.from_group(group, device.type)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
     return model
 
 
 def train_step(model, optimizer, batch, group):
     """One AdamW step as Trainer(bf16=True) takes it. With a group: the rank's slice, the loss divided by the
-    group's token count, the gradients summed over the group (each rank's is its slice's part)."""
+    group's token count, the gradients summed over the group (each rank's is its slice's part): by all-reduce, or
+    under FSDP2, whose reduce-scatter averages, by scaling the loss with the group's size."""
+    sharded = group is not None and hasattr(next(model.parameters()), "full_tensor")
     if group is not None:
         batch = shard_batch(batch, group)
         batch["num_items_in_batch"] = token_count(batch["shift_labels"], group)
     with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16):
         loss = model(**batch, use_cache=False).loss
-    loss.backward()
+    (loss * dist.get_world_size(group) if sharded else loss).backward()
     if group is not None:
-        for p in model.parameters():
-            dist.all_reduce(p.grad, group=group)
+        if not sharded:
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=group)
         loss = loss.detach().clone()
         dist.all_reduce(loss, group=group)
     optimizer.step()
@@ -131,8 +153,9 @@ def train_step(model, optimizer, batch, group):
 
 
 def optimizer_for(model, args):
+    parameter = next(model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=next(model.parameters()).is_cuda)
+                                  fused=parameter.is_cuda and not hasattr(parameter, "full_tensor"))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
 
 
@@ -143,9 +166,7 @@ def numerics(args, stream, device, group):
         if steps_group is None and dist.get_rank() != 0:
             curves[name] = None
             continue
-        model = build(args, device)
-        if steps_group is not None:
-            model.enable_context_parallel(steps_group)
+        model = build(args, device, steps_group)
         optimizer, scheduler = optimizer_for(model, args)
         losses = []
         for step in range(args.numerics_steps):
@@ -188,9 +209,7 @@ def trial(args, model, optimizer, stream, context, device, group):
 
 def sweep(args, stream, device, group, deadline, write):
     """The context doubled until a step runs out of memory or time runs out; the rows (rank 0's)."""
-    model = build(args, device)
-    if group is not None:
-        model.enable_context_parallel(group)
+    model = build(args, device, group)
     optimizer, _ = optimizer_for(model, args)
     rows, context = [], args.start_context
     while context <= args.max_context:
@@ -251,7 +270,7 @@ def main(args):
     with torch.device("meta"):
         parameters = sum(p.numel() for p in build_model("fox-pro", args.size, args.numerics_context).parameters())
     record = new_record(kind="context_parallel", world_size=size, size=args.size, model="fox-pro", acp=args.acp,
-                        parameters=parameters, shape=SIZES[args.size],
+                        parameters=parameters, shape=SIZES[args.size], fsdp2=args.fsdp2,
                         precision="bf16 autocast, fp32 weights, activation checkpointing, AdamW",
                         data="stdlib sources as bytes: packed documents for the numerics, one stream for the sweeps")
     path = record_path(out, "context_parallel", record)
@@ -268,7 +287,7 @@ def main(args):
         dist.barrier(group=waits)
         write(numerics=curves)
     halfway = time.monotonic() + (deadline - time.monotonic()) / 2
-    if rank == 0:
+    if rank == 0 and args.one_gpu_sweep:
         write(one_gpu=sweep(args, stream, device, None, halfway, lambda rows: write(one_gpu=rows)))
     dist.barrier(group=waits)
     write(context_parallel=sweep(args, stream, device, group, deadline, lambda rows: write(context_parallel=rows)))

@@ -25,7 +25,6 @@ from foxlm import finetune
 RECIPES = {
     "default": [],
     "no-kl": ["--kl-weight", "0"],
-    "kl-3": ["--kl-weight", "3"],
     "no-transfer": ["--transfer-steps", "0"],
     "no-token-shift": ["--no-token-shift"],
     "gates-only-transfer": ["--transfer-qk-rank", "0"],
@@ -44,6 +43,10 @@ RECIPES = {
     # The output gate is the default since 2026-11-27 (the study's "output-gate" recipe then; "default" was this one).
     "no-output-gate": ["--no-output-gate"],
     "transfer-800": ["--transfer-steps", "800"],
+    # KL weight 3 is the default since 2026-11-27 (the study's "kl-3" recipe then); 1 was the default before.
+    "kl-1": ["--kl-weight", "1"],
+    # The transfer on blocks of the original's whole context (8k for SmolLM2): as many tokens a step as the default.
+    "transfer-8k": ["--transfer-length", "8192", "--transfer-batch-size", "2"],
     # The GPU default is 4 blocks per pass, compiled: these were the default (before 2026-11-27) and its parts.
     "one-block-per-pass": ["--micro-batch-size", "1", "--no-compile"],
     "micro-batch-4": ["--micro-batch-size", "4", "--no-compile"],

@@ -6,6 +6,7 @@
 #
 #   OUT=DIR bash benchmarks/run_context_parallel.sh                 # 760M FoX (Pro), ACP on
 #   OUT=DIR bash benchmarks/run_context_parallel.sh --acp off
+#   NGPUS=4 OUT=DIR bash benchmarks/run_context_parallel.sh --fsdp2 --no-one-gpu-sweep  # FSDP2 over the same GPUs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast here

@@ -157,7 +157,7 @@ def parse_args(argv=None, prog=None):
     training.add_argument("--lr", type=float, default=None,
                           help=f"peak learning rate (default: {LORA_LR} with LoRA, {FULL_LR} with --full)")
     training.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
-    training.add_argument("--kl-weight", type=float, default=1.0,
+    training.add_argument("--kl-weight", type=float, default=3.0,
                           help="weight of KL(original || FoX) added to the next-token loss at positions inside "
                                "the original's context; 0 trains on next-token loss alone (default: %(default)s)")
     training.add_argument("--distill-only", action="store_true",
