@@ -51,6 +51,23 @@ def machine_default(name):
 
 
 def parse_args(argv=None, prog=None):
+    parser = build_parser(prog)
+    return check_args(parser, parser.parse_args(argv))
+
+
+def options_given(argv=None, prog=None):
+    """The names of the options on the command line: a parse into a namespace that already holds every name sets
+    only those."""
+    parser = build_parser(prog)
+    names = vars(parser.parse_args(argv))
+    parsed = vars(parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(names, NOT_GIVEN))))
+    return {name for name, value in parsed.items() if value is not NOT_GIVEN}
+
+
+NOT_GIVEN = object()
+
+
+def build_parser(prog=None):
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, metavar="SRC",
@@ -187,7 +204,11 @@ def parse_args(argv=None, prog=None):
     evaluation.add_argument("--needle", action=argparse.BooleanOptionalAction, default=True,
                             help="needle-in-a-haystack (easy mode) of the original and the fine-tuned model at 2k "
                                  "and its doubles up to --eval-length, on held-out prose (default: on)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def check_args(parser, args):
+    """Machine defaults applied, values checked (`parser.error` names the option)."""
     if args.eval_only and args.skip_eval:
         parser.error("--eval-only and --skip-eval leave nothing to do")
     import torch  # after parsing, so that --help does not wait for it
@@ -464,6 +485,26 @@ def shown(value):
     return "default" if value is None else ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
+def adopt_recorded_options(args, run_dir, given):
+    """--resume continues a run with the training options it was started with: an option that shapes training
+    (TRAINING_OPTIONS) and is not on this command line takes its value from DIR/OPTIONS_FILE, whatever the default
+    is now (a later foxlm may have changed it); one that is given is kept, and `check_resumed_options` refuses it if
+    it differs. Says what it adopted."""
+    from foxlm.outputs import result_written_by_foxlm
+
+    path = run_dir / OPTIONS_FILE
+    if not (args.resume and path.is_file() and result_written_by_foxlm(path)):
+        return
+    recorded = json.loads(path.read_text()).get("options", {})
+    adopted = [name for name in TRAINING_OPTIONS if name in recorded and name not in given and name != "processes"
+               and getattr(args, name) != recorded[name]]
+    for name in adopted:
+        setattr(args, name, recorded[name])
+    if adopted:
+        print(f"--resume: continuing with the options the run was trained with ({path}): "
+              + ", ".join(f"{option_flag(name)} {shown(recorded[name])}" for name in adopted))
+
+
 def check_resumed_options(args, run_dir, options):
     """Before --resume changes anything in `run_dir`: exit with an error that names each training option
     (TRAINING_OPTIONS) whose value `options` changes from the one recorded when the run started; options only one of
@@ -729,6 +770,7 @@ def main(argv=None, prog=None):
     from foxlm.data import evenly_spaced, smollm2_gguf_path
 
     run_dir = Path(args.output_dir)
+    adopt_recorded_options(args, run_dir, options_given(argv, prog))  # on every rank, before anything reads them
     source = args.model or str(smollm2_gguf_path())
     processes = Processes(args)
     processes.once(lambda: start_run(args, run_dir, source, processes), share=False)

@@ -152,6 +152,15 @@ def test_resume_refuses_options_that_shape_training_other_than_the_runs(llama_an
     for changed in (["--max-minutes", "5"], ["--save-steps", "2", "--eval-length", "512", "--no-needle"]):
         with pytest.raises(FolderPrepared):
             foxlm(["finetune", *finetune_args(root, "resume-options", *args, "--resume", *changed)])
+    # Options left off the command line continue as the run was started, whatever the defaults are now: the model,
+    # the data and every option that shapes training come from the record, and the check passes.
+    capsys.readouterr()
+    with pytest.raises(FolderPrepared):
+        foxlm(["finetune", "--output-dir", str(run), "--resume", "--skip-eval"])
+    adopted = capsys.readouterr().out
+    assert "--resume: continuing with the options the run was trained with" in adopted
+    assert all(f"{option} {value}" in adopted for option, value in (
+        ("--model", root / "llama"), ("--context", 128), ("--steps", 2), ("--lora-r", 4))), adopted
     # A run an earlier foxlm started has no record: it resumes, with a warning.
     (run / "training_options.json").unlink()
     with pytest.raises(FolderPrepared):
