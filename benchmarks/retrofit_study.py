@@ -45,6 +45,7 @@ RECIPES = {
     "transfer-800": ["--transfer-steps", "800"],
     # KL weight 3 is the default since 2026-11-27 (the study's "kl-3" recipe then); 1 was the default before.
     "kl-1": ["--kl-weight", "1"],
+    "kl-10": ["--kl-weight", "10"],
     # The transfer on blocks of the original's whole context (8k for SmolLM2): as many tokens a step as the default.
     "transfer-8k": ["--transfer-length", "8192", "--transfer-batch-size", "2"],
     # The GPU default is 4 blocks per pass, compiled: these were the default (before 2026-11-27) and its parts.
