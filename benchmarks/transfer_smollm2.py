@@ -5,10 +5,15 @@ gate init), then `transfer_attention` trains the forget gates (and, with `--qk-r
 reproduce SmolLM2's attention outputs on blocks of the Python standard library's training files. Reported: the
 per-layer attention-output error (see `foxlm.conversion.transfer.TransferRecord`) and the language-model loss on
 held-out blocks, before and after, with the original's loss for reference; the same on blocks of English prose
-(`--prose-blocks`, the held-out domain used nowhere in training). CPU-sized by default.
+(`--prose-blocks`, the held-out domain used nowhere in training). With `--needle LENGTHS`, also an easy-mode needle
+test (prose haystack, depths 0, 0.5 and 1) of the original and the transferred model, and each layer's gate memory
+(1 / mean -log f per head, on the haystack): whether the transfer keeps the original's retrieval, and whether decay
+alone forbids it. CPU-sized by default.
 
     python benchmarks/transfer_smollm2.py                  # writes benchmarks/results/transfer_smollm2.json
     python benchmarks/transfer_smollm2.py --steps 100 --qk-rank 8 --output benchmarks/results/transfer_qk8.json
+    python benchmarks/transfer_smollm2.py --steps 60 --qk-rank 8 --token-shift --output-gate --block-size 512 \
+        --prose-blocks 0 --needle 1024,2048 --output benchmarks/results/transfer_smollm2_needle.json
 """
 
 import argparse
@@ -23,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from foxlm.conversion.llama import fox_from_llama
 from foxlm.conversion.transfer import DEFAULT_LR, attention_errors, token_batches, transfer_attention
 from foxlm.data import domain_texts, evenly_spaced, read_texts, smollm2_gguf_path, stdlib_split
+from foxlm.evaluation import needle_haystack, needle_in_a_haystack
 
 
 def batches(tokenizer, files, args, count):
@@ -41,6 +47,32 @@ def lm_loss(model, held_out):
     return torch.stack([model(input_ids=ids, labels=ids, use_cache=False).loss for ids in held_out]).mean().item()
 
 
+NEEDLE_DEPTHS = [0.0, 0.5, 1.0]
+
+
+def needle(model, tokenizer, haystack, lengths):
+    scores, answers = needle_in_a_haystack(model, tokenizer, haystack, lengths, NEEDLE_DEPTHS, with_answers=True)
+    return {"context_lengths": lengths, "depths": NEEDLE_DEPTHS, "scores": scores.tolist(), "answers": answers}
+
+
+@torch.no_grad()
+def gate_memory(fox, ids):
+    """Per layer and head, 1 / mean(-log f) over `ids`: how many tokens back a head's weights fall by e."""
+    memory = []
+
+    def capture(attention, args, kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        memory.append((1 / -attention.log_fgate(hidden)[0].mean(0)).tolist())
+
+    hooks = [layer.self_attn.register_forward_pre_hook(capture, with_kwargs=True) for layer in fox.model.layers]
+    try:
+        fox(input_ids=torch.tensor([ids]), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return memory
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=50)
@@ -53,6 +85,9 @@ def main():
     parser.add_argument("--train-blocks", type=int, default=16)
     parser.add_argument("--eval-blocks", type=int, default=4)
     parser.add_argument("--prose-blocks", type=int, default=4, help="held-out prose blocks, 0 for none")
+    parser.add_argument("--needle", default="", metavar="LENGTHS",
+                        help="comma-separated context lengths of a needle test of the original and the transferred "
+                             "model, and the gates' memory (default: none)")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "transfer_smollm2.json"))
     args = parser.parse_args()
 
@@ -96,6 +131,13 @@ def main():
         "train_error_after": [round(e, 4) for e in train_error],
         "training_loss": [round(loss, 4) for loss in record.loss],
     }
+    if args.needle:
+        lengths = [int(length) for length in args.needle.split(",")]
+        haystack = needle_haystack(tokenizer, max(lengths), "prose")
+        report["needle"] = {"original": needle(original, tokenizer, haystack, lengths),
+                            "after_transfer": needle(fox, tokenizer, haystack, lengths)}
+        report["gate_memory_tokens"] = gate_memory(fox, haystack[: max(lengths)])
+        log("needle", start)
     if prose:
         report["prose"] = {
             "blocks": len(prose) * args.batch_size,
@@ -112,6 +154,12 @@ def main():
     if prose:
         print(f"prose: held-out loss {report['prose']['held_out_loss']}, mean layer error "
               f"{mean(prose_before[2]):.4f} -> {mean(prose_after[1]):.4f}")
+    if args.needle:
+        for label, result in report["needle"].items():
+            print(f"needle, {label} (rows: depths {NEEDLE_DEPTHS}; columns: {result['context_lengths']}): "
+                  f"{result['scores']}")
+        print("longest gate memory per layer (tokens):",
+              [round(max(heads)) for heads in report["gate_memory_tokens"]])
     print(f"wrote {args.output}")
 
 
