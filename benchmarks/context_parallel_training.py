@@ -130,19 +130,24 @@ def build(args, device, group=None):
     return model
 
 
+def sharded(model):
+    """Whether FSDP2 shards the model (its parameters are DTensors)."""
+    return hasattr(next(model.parameters()), "full_tensor")
+
+
 def train_step(model, optimizer, batch, group):
     """One AdamW step as Trainer(bf16=True) takes it. With a group: the rank's slice, the loss divided by the
     group's token count, the gradients summed over the group (each rank's is its slice's part): by all-reduce, or
     under FSDP2, whose reduce-scatter averages, by scaling the loss with the group's size."""
-    sharded = group is not None and hasattr(next(model.parameters()), "full_tensor")
+    fsdp2 = group is not None and sharded(model)
     if group is not None:
         batch = shard_batch(batch, group)
         batch["num_items_in_batch"] = token_count(batch["shift_labels"], group)
     with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16):
         loss = model(**batch, use_cache=False).loss
-    (loss * dist.get_world_size(group) if sharded else loss).backward()
+    (loss * dist.get_world_size(group) if fsdp2 else loss).backward()
     if group is not None:
-        if not sharded:
+        if not fsdp2:
             for p in model.parameters():
                 dist.all_reduce(p.grad, group=group)
         loss = loss.detach().clone()
@@ -153,9 +158,8 @@ def train_step(model, optimizer, batch, group):
 
 
 def optimizer_for(model, args):
-    parameter = next(model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=parameter.is_cuda and not hasattr(parameter, "full_tensor"))
+                                  fused=next(model.parameters()).is_cuda and not sharded(model))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
 
 

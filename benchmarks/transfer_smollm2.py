@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from foxlm.conversion.llama import fox_from_llama
 from foxlm.conversion.transfer import DEFAULT_LR, attention_errors, token_batches, transfer_attention
 from foxlm.data import domain_texts, evenly_spaced, read_texts, smollm2_gguf_path, stdlib_split
-from foxlm.evaluation import needle_haystack, needle_in_a_haystack
+from foxlm.evaluation import needle_haystack, needle_in_a_haystack, needle_summary
 
 
 def batches(tokenizer, files, args, count):
@@ -52,7 +52,7 @@ NEEDLE_DEPTHS = [0.0, 0.5, 1.0]
 
 def needle(model, tokenizer, haystack, lengths):
     scores, answers = needle_in_a_haystack(model, tokenizer, haystack, lengths, NEEDLE_DEPTHS, with_answers=True)
-    return {"context_lengths": lengths, "depths": NEEDLE_DEPTHS, "scores": scores.tolist(), "answers": answers}
+    return needle_summary(scores, lengths, NEEDLE_DEPTHS, answers)
 
 
 @torch.no_grad()

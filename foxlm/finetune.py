@@ -485,23 +485,34 @@ def shown(value):
     return "default" if value is None else ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
+def recorded_options(run_dir):
+    """The training options recorded in DIR/OPTIONS_FILE, or None for a run without a record; exits if foxlm did not
+    write the file."""
+    from foxlm.outputs import result_written_by_foxlm
+
+    path = run_dir / OPTIONS_FILE
+    if not path.exists():
+        return None
+    if not result_written_by_foxlm(path):
+        sys.exit(f"error: --resume: {path} was not written by foxlm; move it away to resume without checking the "
+                 "options")
+    return json.loads(path.read_text()).get("options", {})
+
+
 def adopt_recorded_options(args, run_dir, given):
     """--resume continues a run with the training options it was started with: an option that shapes training
     (TRAINING_OPTIONS) and is not on this command line takes its value from DIR/OPTIONS_FILE, whatever the default
     is now (a later foxlm may have changed it); one that is given is kept, and `check_resumed_options` refuses it if
     it differs. Says what it adopted."""
-    from foxlm.outputs import result_written_by_foxlm
-
-    path = run_dir / OPTIONS_FILE
-    if not (args.resume and path.is_file() and result_written_by_foxlm(path)):
+    recorded = recorded_options(run_dir) if args.resume else None
+    if recorded is None:
         return
-    recorded = json.loads(path.read_text()).get("options", {})
     adopted = [name for name in TRAINING_OPTIONS if name in recorded and name not in given and name != "processes"
                and getattr(args, name) != recorded[name]]
     for name in adopted:
         setattr(args, name, recorded[name])
     if adopted:
-        print(f"--resume: continuing with the options the run was trained with ({path}): "
+        print(f"--resume: continuing with the options the run was trained with ({run_dir / OPTIONS_FILE}): "
               + ", ".join(f"{option_flag(name)} {shown(recorded[name])}" for name in adopted))
 
 
@@ -510,19 +521,14 @@ def check_resumed_options(args, run_dir, options):
     (TRAINING_OPTIONS) whose value `options` changes from the one recorded when the run started; options only one of
     them has (unused, or from another foxlm version) are not compared. Returns the recorded options, or None for a
     run without a record (an earlier foxlm's), with a warning if it has a checkpoint to resume."""
-    from foxlm.outputs import result_written_by_foxlm
-
     path = run_dir / OPTIONS_FILE
-    if not path.exists():
+    recorded = recorded_options(run_dir)
+    if recorded is None:
         checkpoints = run_dir / "checkpoints"
         if checkpoints.is_dir() and any((c / "trainer_state.json").is_file() for c in checkpoints.iterdir()):
             print(f"warning: {path} is missing (a run an earlier foxlm started): the options of this --resume could "
                   "not be checked against the checkpoint's; they are recorded now", file=sys.stderr)
         return None
-    if not result_written_by_foxlm(path):
-        sys.exit(f"error: --resume: {path} was not written by foxlm; move it away to resume without checking the "
-                 "options")
-    recorded = json.loads(path.read_text()).get("options", {})
     differences = []
     for name in TRAINING_OPTIONS:
         if name not in recorded or name not in options or recorded[name] == options[name]:
