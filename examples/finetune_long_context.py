@@ -1,4 +1,4 @@
-"""Convert a LLaMA-family model to FoX (RoPE dropped), fine-tune it for a longer context, and compare per-token loss.
+"""Convert a LLaMA-family model to FoX (partial RoPE), fine-tune it for a longer context, and compare per-token loss.
 
 The job is `foxlm.finetune` (foxlm/finetune.py), so that an installed foxlm runs it too, as `foxlm finetune`; this
 script takes the same options (`--help`).

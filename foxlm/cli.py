@@ -114,9 +114,9 @@ def run_convert_llama(args):
     except FileNotFoundError as error:  # a corpus that is not installed
         raise FoxlmError(str(error)) from error
     output_dir = convert_llama_to_fox(
-        args.source, args.output_dir, keep_rope=args.keep_rope, dtype=args.dtype, max_shard_size=args.max_shard_size,
-        force=args.force, gate_init=args.gate_init, gate_bias=args.gate_bias, decay_times=tuple(args.decay_times),
-        token_shift=args.token_shift, output_gate=args.output_gate, **transfer,
+        args.source, args.output_dir, keep_rope=args.keep_rope, partial_rope=args.partial_rope, dtype=args.dtype,
+        max_shard_size=args.max_shard_size, force=args.force, gate_init=args.gate_init, gate_bias=args.gate_bias,
+        decay_times=tuple(args.decay_times), token_shift=args.token_shift, output_gate=args.output_gate, **transfer,
     )
     print(f"saved a FoX model to {output_dir} (see its README.md); next: fine-tune it on long documents "
           f"(`foxlm finetune --model {args.source}` converts and fine-tunes in one go)")
@@ -187,9 +187,15 @@ def add_convert_commands(commands):
                        help="a model folder, a Hub id (read through the Hugging Face cache; works offline once "
                             "cached) or a .gguf file")
     add_output_options(llama)
-    llama.add_argument("--keep-rope", action="store_true",
-                       help="keep rotary position embeddings; with --gate-init open --gate-bias 30 (gates fully open) "
-                            "the model computes what the original computes")
+    rope = llama.add_mutually_exclusive_group()
+    rope.add_argument("--keep-rope", action="store_true",
+                      help="keep rotary position embeddings; with --gate-init open --gate-bias 30 (gates fully open) "
+                           "the model computes what the original computes")
+    rope.add_argument("--partial-rope", nargs="?", type=positive_float, const=True, default=False, metavar="TOKENS",
+                      help="keep RoPE only on the channel pairs whose wavelength is shorter than TOKENS (default: the "
+                           "source's context, max_position_embeddings) and drop it on the slower ones, whose angles "
+                           "beyond the context were never trained: the converted model starts close to the source "
+                           "(docs/retrofit.md)")
     llama.add_argument("--gate-init", choices=GATE_INITS, default=DEFAULT_GATE_INIT,
                        help="how the new forget gates start (weights are zero either way): decay-spread gives the "
                             "heads of each layer decay times log-spaced over --decay-times; open gives every head "

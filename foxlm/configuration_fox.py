@@ -39,6 +39,11 @@ class FoxConfig(PreTrainedConfig):
             Rotary position embeddings on q and k (after QK-norm), with LLaMA's `rope_parameters`.
         rope_parameters (`dict`, *optional*):
             As in `LlamaConfig`; only read when `use_rope` is set. Default `rope_theta` 500000.
+        rope_max_wavelength (`float`, *optional*):
+            Partial RoPE: with `use_rope`, only the channel pairs whose wavelength (`2 pi / frequency`, in tokens) is
+            shorter than this are rotated; the slower pairs are left position-free, as without RoPE. A retrofit sets
+            it to its source's context (`foxlm convert llama --partial-rope`): the pairs kept have turned through
+            every angle within that context, the ones dropped are those whose angles beyond it were never trained.
         qk_norm (`bool`, defaults to `False`):
             Per-head RMSNorm of q and k (FoX Pro), with `qk_norm_eps`.
         use_output_gate (`bool`, defaults to `False`):
@@ -123,6 +128,7 @@ class FoxConfig(PreTrainedConfig):
     decay_time_max: int | float | None = None
     use_rope: bool = False
     rope_parameters: RopeParameters | dict | None = None
+    rope_max_wavelength: int | float | None = None
     qk_norm: bool = False
     qk_norm_eps: int | float = 1e-5
     use_output_gate: bool = False
@@ -195,6 +201,16 @@ class FoxConfig(PreTrainedConfig):
                 "no positions to scale. Set `use_rope=True`, or drop the scaling (a converted model drops RoPE "
                 "unless `--keep-rope`)."
             )
+        if self.rope_max_wavelength is not None:
+            if not self.use_rope:
+                raise ValueError("`rope_max_wavelength` selects which RoPE channel pairs rotate: it needs "
+                                 "`use_rope=True`.")
+            if isinstance(self.rope_max_wavelength, bool) or not 0 < self.rope_max_wavelength < math.inf:
+                raise ValueError(f"`rope_max_wavelength` must be a positive number of tokens, got "
+                                 f"{self.rope_max_wavelength!r}.")
+            if "dynamic" in rope_type or rope_type == "longrope":
+                raise ValueError(f"`rope_max_wavelength` needs fixed RoPE frequencies; rope_type {rope_type!r} "
+                                 "recomputes them with the sequence length.")
         if self.hidden_act not in ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu"):
             raise ValueError(f"`hidden_act` {self.hidden_act!r} is not a supported gated-MLP activation.")
 

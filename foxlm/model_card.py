@@ -96,8 +96,7 @@ def conversion_changes(kind, config, options=None):
         f"of size {config.head_dim}).",
         f"Added: a data-dependent forget gate per query head and layer (`self_attn.fgate_proj`), initialised with "
         f"{describe_gate(options)}.",
-        "RoPE kept (`use_rope=True`, the source's rope parameters)." if config.use_rope else
-        "RoPE dropped: FoX needs no position embedding, the forget gate gives the recency bias.",
+        rope_change(config),
     ] + ([f"Added: a key and value token shift per key-value head and layer (`self_attn.k_shift_proj`, "
           f"`v_shift_proj`, FoX Pro's), initialised with zero weights and bias {options['shift_bias']:g}, mixing "
           f"{100 / (1 + math.exp(-options['shift_bias'])):.2g}% of the previous token's key and value into each "
@@ -105,6 +104,16 @@ def conversion_changes(kind, config, options=None):
         ["Added: FoX Pro's output gate per channel and layer (`self_attn.ogate_proj`), initialised with zero weights "
          "(a gate of 1/2), with `o_proj`'s weight doubled in return, so that it starts as no gate."]
         if config.use_output_gate else [])
+
+
+def rope_change(config):
+    if config.rope_max_wavelength:
+        return (f"Partial RoPE (`rope_max_wavelength={config.rope_max_wavelength:g}` tokens): the "
+                "channel pairs whose wavelength is shorter keep their rotation, the slower ones are dropped and the "
+                "forget gate gives the recency bias at long range.")
+    if config.use_rope:
+        return "RoPE kept (`use_rope=True`, the source's rope parameters)."
+    return "RoPE dropped: FoX needs no position embedding, the forget gate gives the recency bias."
 
 
 def conversion_card(*, name, kind, source, config, dtype, tokenizer_saved, verified, source_config=None,
@@ -116,7 +125,9 @@ def conversion_card(*, name, kind, source, config, dtype, tokenizer_saved, verif
         architecture = (source_config.architectures or [source_config.model_type])[0]
         gate = (f"--gate-init open --gate-bias {options['gate_bias']:g}" if options["gate_init"] == "open" else
                 "--gate-init decay-spread --decay-times {:g} {:g}".format(*options["decay_times"]))
-        command = (f"foxlm convert llama {source} {name} {gate}" + (" --keep-rope" if config.use_rope else "")
+        rope = (f" --partial-rope {config.rope_max_wavelength:g}" if config.rope_max_wavelength else
+                " --keep-rope" if config.use_rope else "")
+        command = (f"foxlm convert llama {source} {name} {gate}" + rope
                    + (" --token-shift" if config.use_k_shift else "")
                    + (" --output-gate" if config.use_output_gate else ""))
         next_step = ("Not yet a good language model: without RoPE (and with the new gates) the pretrained attention no "

@@ -413,6 +413,22 @@ class FoxDecoderLayer(GradientCheckpointingLayer):
         return residual + hidden_states
 
 
+class FoxRotaryEmbedding(LlamaRotaryEmbedding):
+    """LLaMA's RoPE, with `config.rope_max_wavelength` (partial RoPE): the channel pairs whose wavelength is that long
+    or longer get frequency 0, so cos = 1 and sin = 0 leave them unrotated."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.drop_long_wavelengths()
+
+    @torch.no_grad()
+    def drop_long_wavelengths(self):
+        limit = self.config.rope_max_wavelength
+        if limit is not None:
+            for frequencies in (self.inv_freq, self.original_inv_freq):
+                frequencies.masked_fill_(2 * math.pi / frequencies >= limit, 0.0)
+
+
 class FoxPreTrainedModel(PreTrainedModel):
     config: FoxConfig
     base_model_prefix = "model"
@@ -473,6 +489,8 @@ class FoxPreTrainedModel(PreTrainedModel):
             init.copy_(module.bias, fgate_bias_init_values(self.config, module.bias.numel()))
         elif isinstance(module, FoxRMSNorm):
             init.ones_(module.weight)
+        elif isinstance(module, FoxRotaryEmbedding):  # transformers has just recomputed every frequency
+            module.drop_long_wavelengths()
 
 
 class FoxModel(FoxPreTrainedModel):
@@ -486,7 +504,7 @@ class FoxModel(FoxPreTrainedModel):
         )
         self.norm = FoxRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # FoX needs no position embedding; RoPE is an option (and what a LLaMA kept with --keep-rope uses).
-        self.rotary_emb = LlamaRotaryEmbedding(config=config) if config.use_rope else None
+        self.rotary_emb = FoxRotaryEmbedding(config=config) if config.use_rope else None
         self.gradient_checkpointing = False
         self.context_parallel = None  # a ContextParallel once enable_context_parallel is called
         self.post_init()

@@ -88,6 +88,24 @@ def test_qwen2_and_mistral_convert_with_their_logits(tmp_path, model_class, conf
     assert max_logit_difference(fox, original, torch.randint(0, 97, (2, 24))) <= 1e-4
 
 
+def test_partial_rope_rotates_the_pairs_faster_than_the_context_only(tmp_path):
+    # head_dim 8, theta 1e4: wavelengths 6.3, 63, 628 and 6283 tokens; a context of 100 keeps the first two rotating.
+    llama = save_tiny(tmp_path / "llama", max_position_embeddings=100, head_dim=8)
+    out = convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", dtype="fp32", partial_rope=True,
+                               gate_init="open", gate_bias=30.0)
+    fox = FoxForCausalLM.from_pretrained(out).eval()  # transformers recomputes the frequencies while loading
+    assert fox.config.rope_max_wavelength == 100
+    for frequencies in (fox.model.rotary_emb.inv_freq, fox.model.rotary_emb.original_inv_freq):
+        torch.testing.assert_close(frequencies, torch.tensor([1.0, 0.1, 0.0, 0.0]))
+    ids = torch.randint(0, 97, (2, 80))
+    with_slow_pairs = max_logit_difference(fox, llama, ids)
+    llama.model.rotary_emb.inv_freq[2:] = 0  # the same llama without the slow pairs' rotation
+    assert max_logit_difference(fox, llama, ids) <= 1e-6 < with_slow_pairs / 10
+    assert "Partial RoPE" in (tmp_path / "fox" / "README.md").read_text()
+    with pytest.raises(ConversionError, match="give one"):
+        convert_llama_to_fox(tmp_path / "llama", tmp_path / "both", keep_rope=True, partial_rope=True)
+
+
 def test_default_conversion_drops_rope_and_adds_zero_weight_gates(tmp_path):
     llama = save_tiny(tmp_path / "llama")
     fox = FoxForCausalLM.from_pretrained(convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox"))

@@ -38,8 +38,8 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
     # --compile with aot_eager, which traces and differentiates as inductor does without its minutes of codegen
     monkeypatch.setattr(training, "compile_layer_parts",
                         lambda model: compiled.append(compile_parts(model, backend="aot_eager")))
-    foxlm(["finetune", *finetune_args(root, "lora", "--gradient-checkpointing", "--eval-domains", "prose",
-                                      "--eval-length", "512", "--micro-batch-size", "2", "--compile")])
+    foxlm(["finetune", *finetune_args(root, "lora", "--drop-rope", "--gradient-checkpointing", "--eval-domains",
+                                      "prose", "--eval-length", "512", "--micro-batch-size", "2", "--compile")])
     assert compiled == [4 * 2]  # norms, attention and MLP of the tiny LLaMA's 2 layers
     run = root / "lora"
     for name in ("converted/config.json", "adapter/adapter_model.safetensors", "fine-tuned/model.safetensors",
@@ -64,12 +64,12 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
     assert out[-1] == f"plot: {run / 'evaluation.png'}"
     assert any(line.startswith("prose: fine-tuned vs original at positions < 128: loss ") for line in out)
     assert any(line.startswith("needle in a haystack (prose), converted, fine-tuned: 512") for line in out)
-    # The recipe's stages: token shift, output gate and attention transfer while converting, distillation while
-    # fine-tuning.
+    # The recipe's stages with RoPE dropped: token shift, output gate and attention transfer while converting,
+    # distillation while fine-tuning.
     assert "Attention transfer: 4 steps" in (run / "converted" / "README.md").read_text()
     converted = json.loads((run / "converted" / "config.json").read_text())
     assert converted["use_k_shift"] and converted["use_v_shift"] and converted["shift_bias"]
-    assert converted["use_output_gate"]
+    assert converted["use_output_gate"] and not converted["use_rope"]
     # Text sampled from the original joins the training data (the CPU default: 1024 tokens, documents of <= 64).
     assert summary["teacher_samples"]["tokens"] >= 1024 and summary["teacher_samples"]["documents"] >= 1024 // 65
     assert any(line.startswith("sampled ") and "from the original" in line for line in out)
@@ -84,7 +84,7 @@ def test_full_finetuning_and_evaluation_run_as_two_invocations_within_a_time_bud
     run = root / "full"
     foxlm(["finetune", *finetune_args(root, "full", "--full", "--steps", "50", "--max-minutes", "1e-6",
                                       "--skip-eval", "--no-token-shift", "--no-output-gate", "--distill-only",
-                                      "--sample-temperature", "0.7")])
+                                      "--sample-temperature", "0.7", "--drop-rope")])
     assert "budget ended training after 1 steps" in capsys.readouterr().out
     # Every training position lies inside the original's context (128): with --distill-only the KL alone trains.
     logged = [entry for entry in json.loads((run / "train_log.json").read_text()) if "loss" in entry]
@@ -212,12 +212,27 @@ def test_a_killed_run_resumed_ends_bit_identical_to_an_uninterrupted_one(llama_a
     assert all(torch.equal(whole[key], resumed[key]) for key in whole)
 
 
+def test_partial_rope_by_default_keeps_the_rotation_below_the_originals_context_and_no_transfer(llama_and_corpus):
+    root = llama_and_corpus
+    foxlm(["finetune", *finetune_args(root, "partial-rope", "--steps", "1", "--skip-eval", "--teacher-samples", "0")])
+    run = root / "partial-rope"
+    config = json.loads((run / "fine-tuned" / "config.json").read_text())
+    assert config["use_rope"] and config["rope_max_wavelength"] == 128 and config["fgate_bias_init"] == 7.0
+    assert "Partial RoPE" in (run / "converted" / "README.md").read_text()
+    assert "Attention transfer" not in (run / "converted" / "README.md").read_text()
+    options = json.loads((run / "training_options.json").read_text())["options"]
+    assert options["partial_rope"] is True and options["transfer_steps"] == 0
+
+
 def test_bad_arguments_are_named_before_any_training(llama_and_corpus, capsys):
     root = llama_and_corpus
     with pytest.raises(SystemExit, match="--eval-only"):
         foxlm(["finetune", *finetune_args(root, "empty", "--eval-only")])
     with pytest.raises(SystemExit, match="--resume"):
         foxlm(["finetune", *finetune_args(root, "no-checkpoint", "--resume")])
+    with pytest.raises(SystemExit):
+        foxlm(["finetune", *finetune_args(root, "both-ropes", "--partial-rope", "--keep-rope")])
+    assert "not allowed with argument" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--eval-length 100000"):
         foxlm(["finetune", *finetune_args(root, "too-long", "--eval-length", "100000")])
     with pytest.raises(SystemExit):

@@ -23,9 +23,13 @@ def test_generate_builds_fox_cache_layers(make_model):
     assert getattr(out, CACHE_ARG).get_seq_length() == 7
 
 
+ROPE = {"no-rope": {}, "partial-rope": dict(use_rope=True, rope_max_wavelength=50.0)}
+
+
+@pytest.mark.parametrize("rope", ROPE.values(), ids=ROPE.keys())
 @pytest.mark.parametrize("chunks", [[1] * 12, [5, 1, 4, 2], [12]])
-def test_incremental_forward_equals_full_forward(make_model, chunks):
-    model = make_model()
+def test_incremental_forward_equals_full_forward(make_model, chunks, rope):
+    model = make_model(**rope)
     ids = torch.randint(3, 97, (2, sum(chunks)))
     full = model(ids).logits
     cache = DynamicCache(config=model.config)
@@ -36,8 +40,9 @@ def test_incremental_forward_equals_full_forward(make_model, chunks):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
-def test_greedy_generation_equals_uncached_argmax(make_model):
-    model = make_model()
+@pytest.mark.parametrize("rope", ROPE.values(), ids=ROPE.keys())
+def test_greedy_generation_equals_uncached_argmax(make_model, rope):
+    model = make_model(**rope)
     ids = torch.randint(3, 97, (2, 6))
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                          eos_token_id=None, pad_token_id=0)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from foxlm.remote_code import PACKAGE_DIR, REMOTE_CODE_MODULES, flatten_imports, write_remote_code
@@ -49,8 +50,9 @@ def tokenize_without_foxlm(folder, text, tmp_path):
     return json.loads((tmp_path / "tokenized.json").read_text())
 
 
-def test_saved_folder_loads_as_remote_code_without_foxlm(make_model, tmp_path):
-    model = make_model()
+@pytest.mark.parametrize("rope", [{}, dict(use_rope=True, rope_max_wavelength=50.0)], ids=["no-rope", "partial-rope"])
+def test_saved_folder_loads_as_remote_code_without_foxlm(make_model, tmp_path, rope):
+    model = make_model(**rope)
     model.save_pretrained(tmp_path / "model")
     files = set(os.listdir(tmp_path / "model"))
     assert {"configuration_fox.py", "modeling_fox.py", "attention.py", "attention_reference.py", "acp.py"} <= files

@@ -2,7 +2,8 @@
 
 FoX keeps LLaMA's module names, so every pretrained tensor moves over unchanged. The converter adds one forget gate
 per query head and layer (`self_attn.fgate_proj`: zero weights and a bias from `gate_init`), drops RoPE unless
-asked to keep it, and copies the tokenizer and generation config. No q/k permutation is needed: without RoPE,
+asked to keep it whole or in part (`partial_rope`: on the channel pairs faster than a wavelength), and copies the
+tokenizer and generation config. No q/k permutation is needed: FoX applies RoPE in LLaMA's layout, and without it
 `q . k` does not depend on the order of channels within a head. With `transfer_steps`, the converted attention is then
 trained to reproduce the source's (`transfer.py`).
 """
@@ -115,12 +116,21 @@ def load_source_config(source):
     return AutoConfig.from_pretrained(name_or_path, **kwargs)
 
 
-def fox_config_from_llama(config, *, keep_rope=False, gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS,
-                          decay_times=DEFAULT_DECAY_TIMES, token_shift=False, output_gate=False):
+def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, gate_init=DEFAULT_GATE_INIT,
+                          gate_bias=DEFAULT_GATE_BIAS, decay_times=DEFAULT_DECAY_TIMES, token_shift=False,
+                          output_gate=False):
     """A FoxConfig with the source's sizes, a data-dependent forget gate, with `keep_rope` its RoPE, with
-    `token_shift` a key and value token shift (FoX Pro's) that starts near no shift, and with `output_gate` FoX Pro's
-    output gate (`fox_from_llama` makes it start as no gate)."""
+    `partial_rope` its RoPE on the channel pairs whose wavelength is shorter than `partial_rope` tokens only (True: the
+    source's context, `max_position_embeddings`), with `token_shift` a key and value token shift (FoX Pro's) that
+    starts near no shift, and with `output_gate` FoX Pro's output gate (`fox_from_llama` makes it start as no
+    gate)."""
     check_gate_options(gate_init, gate_bias, decay_times)
+    if keep_rope and partial_rope:
+        raise ConversionError("keep_rope keeps all of RoPE and partial_rope part of it: give one.")
+    if partial_rope is not True and partial_rope is not False and not (
+            isinstance(partial_rope, (int, float)) and 0 < partial_rope < math.inf):
+        raise ConversionError(f"partial_rope must be True (the source's context) or a wavelength in tokens, got "
+                              f"{partial_rope!r}.")
     fields = {name: getattr(config, name) for name in COPIED_FIELDS if getattr(config, name, None) is not None}
     fields["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     # Qwen2 always has q/k/v biases (its config has no flag); FoX's flag also gives o_proj a bias, which starts at 0.
@@ -134,8 +144,10 @@ def fox_config_from_llama(config, *, keep_rope=False, gate_init=DEFAULT_GATE_INI
         fields.update(use_k_shift=True, use_v_shift=True, shift_bias=True)
     if output_gate:
         fields["use_output_gate"] = True
-    if keep_rope:
+    if keep_rope or partial_rope:
         fields.update(use_rope=True, rope_parameters=dict(config.rope_parameters))
+    if partial_rope:
+        fields["rope_max_wavelength"] = float(config.max_position_embeddings if partial_rope is True else partial_rope)
     return FoxConfig(fgate_type="data_dependent", **fields)
 
 
@@ -186,12 +198,14 @@ def fox_from_llama(model, **options):
     return fox.eval()
 
 
-def convert_llama_to_fox(source, output_dir, *, keep_rope=False, dtype="auto", max_shard_size="5GB", force=False,
-                         gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS, decay_times=DEFAULT_DECAY_TIMES,
-                         token_shift=False, output_gate=False, transfer_steps=0, transfer_data=None,
-                         transfer_lr=DEFAULT_TRANSFER_LR, transfer_qk_rank=0, transfer_device=None):
+def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=False, dtype="auto",
+                         max_shard_size="5GB", force=False, gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS,
+                         decay_times=DEFAULT_DECAY_TIMES, token_shift=False, output_gate=False, transfer_steps=0,
+                         transfer_data=None, transfer_lr=DEFAULT_TRANSFER_LR, transfer_qk_rank=0, transfer_device=None):
     """Convert a LLaMA-family checkpoint (`source`: folder, Hub id or .gguf file) into a FoX model folder.
 
+    RoPE is dropped, kept with `keep_rope`, or kept with `partial_rope` on the channel pairs whose wavelength is
+    shorter than `partial_rope` tokens only (True: the source's context; docs/retrofit.md, "Partial RoPE").
     With `token_shift` the FoX model gets FoX Pro's key and value token shift, starting near no shift; it gives back
     some of the position information RoPE carried (the previous token's key and value), and the transfer trains it.
     With `output_gate` it gets FoX Pro's output gate, starting as no gate (`fox_from_llama`), also trained by the
@@ -211,8 +225,8 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, dtype="auto", m
         raise ConversionError("attention transfer needs both transfer_steps > 0 and transfer_data (input-id batches); "
                               f"got transfer_steps={transfer_steps} and transfer_data={type(transfer_data).__name__}.")
     source_config = load_source_config(source)
-    options = dict(keep_rope=keep_rope, gate_init=gate_init, gate_bias=gate_bias, decay_times=decay_times,
-                   token_shift=token_shift, output_gate=output_gate)
+    options = dict(keep_rope=keep_rope, partial_rope=partial_rope, gate_init=gate_init, gate_bias=gate_bias,
+                   decay_times=decay_times, token_shift=token_shift, output_gate=output_gate)
     fox_config_from_llama(source_config, **options)  # validate the options before loading any weights
     source_dtype = getattr(source_config, "dtype", None)
     source_dtype = getattr(torch, source_dtype) if isinstance(source_dtype, str) else source_dtype
