@@ -521,7 +521,10 @@ def recorded_options(run_dir):
     if not result_written_by_foxlm(path):
         sys.exit(f"error: --resume: {path} was not written by foxlm; move it away to resume without checking the "
                  "options")
-    return json.loads(path.read_text()).get("options", {})
+    options = json.loads(path.read_text()).get("options", {})
+    if "model" in options and "partial_rope" not in options:  # recorded before partial RoPE: RoPE was dropped whole
+        options.update(partial_rope=False, drop_rope=True, keep_rope=False)
+    return options
 
 
 def adopt_recorded_options(args, run_dir, given):

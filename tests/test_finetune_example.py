@@ -161,6 +161,15 @@ def test_resume_refuses_options_that_shape_training_other_than_the_runs(llama_an
     assert "--resume: continuing with the options the run was trained with" in adopted
     assert all(f"{option} {value}" in adopted for option, value in (
         ("--model", root / "llama"), ("--context", 128), ("--steps", 2), ("--lora-r", 4))), adopted
+    # A run recorded before partial RoPE existed dropped RoPE whole, and resumes so.
+    record = json.loads((run / "training_options.json").read_text())
+    for name in ("partial_rope", "drop_rope", "keep_rope"):
+        del record["options"][name]
+    (run / "training_options.json").write_text(json.dumps(record))
+    with pytest.raises(FolderPrepared):
+        foxlm(["finetune", "--output-dir", str(run), "--resume", "--skip-eval"])
+    adopted = capsys.readouterr().out
+    assert "--partial-rope off" in adopted and "--drop-rope on" in adopted, adopted
     # A run an earlier foxlm started has no record: it resumes, with a warning.
     (run / "training_options.json").unlink()
     with pytest.raises(FolderPrepared):
