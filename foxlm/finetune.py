@@ -136,8 +136,9 @@ def build_parser(prog=None):
     rope.add_argument("--partial-rope", nargs="?", type=float, const=True, default=None, metavar="TOKENS",
                       help="the default: keep RoPE on the channel pairs whose wavelength is shorter than TOKENS "
                            "(default: the original's context) and drop it on the slower ones, the ones that fail "
-                           "beyond that context; the converted model starts close to the original, its gates nearly "
-                           "open, and needs no attention transfer (docs/retrofit.md, \"Partial RoPE\")")
+                           "beyond that context; the converted model starts close to the original (closest over "
+                           "short distances), its gates nearly open, with no attention transfer (docs/retrofit.md, "
+                           "\"Partial RoPE\")")
     rope.add_argument("--drop-rope", action="store_true",
                       help="drop RoPE whole (a FoX model without position embedding, as `foxlm convert llama` makes "
                            "by default); the attention transfer then gives back what RoPE did")
@@ -153,7 +154,7 @@ def build_parser(prog=None):
     transfer.add_argument("--transfer-steps", type=int, default=None,
                           help=f"optimizer steps, 0 to skip the stage (with --drop-rope, "
                                f"{machine_default('transfer_steps')}; otherwise 0: with RoPE kept, whole or in part, "
-                               "the converted attention already matches the original's)")
+                               "the converted attention starts close to the original's)")
     transfer.add_argument("--transfer-qk-rank", type=int, default=8,
                           help="rank of the q/k updates, 0 to train the forget gates only (default: %(default)s)")
     transfer.add_argument("--transfer-lr", type=float, default=1e-2, help="Adam's learning rate (default: %(default)s)")
