@@ -233,10 +233,6 @@ def check_args(parser, args):
     import torch  # after parsing, so that --help does not wait for it
 
     on_gpu = torch.cuda.is_available()
-    if args.partial_rope not in (None, True) and not 0 < args.partial_rope < math.inf:
-        parser.error(f"--partial-rope must be a positive number of tokens, got {args.partial_rope}")
-    if args.partial_rope is None:
-        args.partial_rope = not (args.drop_rope or args.keep_rope)
     if args.transfer_steps is None and not args.drop_rope:
         args.transfer_steps = 0
     for name, (gpu, cpu) in MACHINE_DEFAULTS.items():
@@ -258,10 +254,12 @@ def check_args(parser, args):
     for name in ("transfer_steps", "transfer_qk_rank", "teacher_samples"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
-    for name in ("transfer_lr", "lr", "max_minutes"):
+    for name in ("transfer_lr", "lr", "max_minutes", "partial_rope"):  # --partial-rope alone is True: it passes
         value = getattr(args, name)
         if value is not None and not (value > 0 and math.isfinite(value)):
             parser.error(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+    if args.partial_rope is None:
+        args.partial_rope = not (args.drop_rope or args.keep_rope)
     if not (args.kl_weight >= 0 and math.isfinite(args.kl_weight)):
         parser.error(f"--kl-weight must be 0 or a positive number, got {args.kl_weight}")
     if not (args.sample_temperature > 0 and math.isfinite(args.sample_temperature)):
