@@ -41,13 +41,17 @@ RECIPES = {
     "no-checkpointing": ["--no-gradient-checkpointing"],
     "lr-1e-3": ["--lr", "1e-3"],
     "context-4k": ["--context", "4096"],
+    # Blocks of 32k (2 a pass, as many tokens): positions to 32k in training.
+    "context-32k": ["--context", "32768", "--micro-batch-size", "2"],
+    "distill-only-context-32k": ["--distill-only", "--context", "32768", "--micro-batch-size", "2"],
     "kernel-docs": ["--train-domains", "code,docs,kernel"],
     # The output gate is the default since 2026-11-27 (the study's "output-gate" recipe then; "default" was this one).
     "no-output-gate": ["--no-output-gate"],
     "transfer-800": ["--drop-rope", "--transfer-steps", "800"],
-    # KL weight 3 is the default since 2026-11-27 (the study's "kl-3" recipe then); 1 was the default before.
+    # KL weight 10 is the default since 2026-11-28 (the study's "kl-10" recipe then); 3 was the default before it,
+    # from 2026-11-27 (the study's "kl-3" recipe then), and 1 before that.
     "kl-1": ["--kl-weight", "1"],
-    "kl-10": ["--kl-weight", "10"],
+    "kl-3": ["--kl-weight", "3"],
     # The transfer on blocks of the original's whole context (8k for SmolLM2): as many tokens a step as the default.
     "transfer-8k": ["--drop-rope", "--transfer-length", "8192", "--transfer-batch-size", "2"],
     # Partial RoPE is the default since 2026-11-28 (below the original's context, 8k for SmolLM2: the study's
@@ -100,12 +104,13 @@ def band_change(bands, label, reference, band):
 def table(runs):
     """Markdown: one row per recipe, loss change vs the original below its context per domain, top-1 agreement,
     prose's worst band below the original's context against the original's, prose's worst band beyond it against
-    its last band inside, needle accuracy."""
+    its last band inside and against the original run over a sliding window of its context, needle accuracy."""
     domains = sorted({d for run in runs.values() for d in run["summary"].get("vs_original", {})})
     header = (["recipe", "steps (seconds each), peak memory"] + [f"{d}: loss vs original" for d in domains]
               + [f"{d}: top-1 agreement" for d in domains]
               + ["prose: worst band below the original's context", "prose: worst band past the original's context",
-                 "needle", "sampled from the original"])
+                 "prose past it: worst band vs the original in a sliding window", "needle",
+                 "sampled from the original"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, run in runs.items():
         summary = run["summary"]
@@ -125,6 +130,10 @@ def table(runs):
         worst_inside = max((change for change in changes if change is not None), default=None)
         row.append("-" if worst_inside is None else f"{worst_inside:+.1%}")
         row.append(f"{max(beyond) - prose[inside[-1]]:+.3f} nats" if inside and beyond else "-")
+        past = [band_change(loss, finetune.FINE_TUNED, finetune.ORIGINAL_WINDOWED, band) for band in prose
+                if within and int(band.split("-")[0]) >= within]
+        past = [change for change in past if change is not None]
+        row.append(f"{max(past):+.1%}" if past else "-")
         needle = (summary.get("needle") or {}).get(finetune.FINE_TUNED, {})
         row.append(", ".join(f"{int(c) // 1024}k {a:.0%}" if int(c) >= 1024 else f"{c} {a:.0%}"
                              for c, a in needle.items()) or "-")

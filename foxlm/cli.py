@@ -296,6 +296,11 @@ def run_per_token_loss(args):
     reference = args.reference or (labels[0] if len(labels) > 1 else None)
     if reference is not None and reference not in labels:
         sys.exit(f"error: --reference {reference!r} is none of the models' labels ({', '.join(labels)}).")
+    models, windows = dict(zip(labels, args.models)), {}
+    if args.sliding_window:
+        windowed = reference or labels[0]
+        windows = {f"{windowed}, sliding window": args.sliding_window}
+        models.update({label: models[windowed] for label in windows})
     json_path, png_path = eval_output_paths(args, "per_token_loss.json", "per_token_loss.png")
     source = args.tokenizer or args.models[0]
     name_or_path, kwargs = resolve_source(source)
@@ -306,7 +311,7 @@ def run_per_token_loss(args):
         raise FoxlmError(f"could not load a tokenizer from {source} ({message}); give one with --tokenizer.") from error
     documents = {data: documents_for_eval(args, tokenizer, args.max_length, data) for data in args.data.split(",")}
     on_gpu = torch.cuda.is_available()
-    results = evaluate_models(dict(zip(labels, args.models)), documents, args.max_length, reference=reference,
+    results = evaluate_models(models, documents, args.max_length, reference=reference, windows=windows,
                               dtype=torch.bfloat16 if on_gpu else torch.float32, device="cuda" if on_gpu else "cpu")
     report = write_evaluation_report(results, json_path, png_path, train_context=args.train_context,
                                      min_documents=args.min_documents, reference=reference, data=args.data)
@@ -449,7 +454,8 @@ def add_eval_commands(commands):
                     "code and docs (held out from fine-tuning's training data) and prose (used nowhere).\n\n"
                     "examples:\n"
                     "  foxlm eval per-token-loss SmolLM2-135M-Instruct.gguf smollm2-fox --labels original,fox\n"
-                    "  foxlm eval per-token-loss ORIGINAL.gguf smollm2-fox --data prose --max-length 32768\n"
+                    "  foxlm eval per-token-loss ORIGINAL.gguf smollm2-fox --data prose --max-length 32768 \\\n"
+                    "      --sliding-window 8192\n"
                     "  foxlm eval per-token-loss my-fox --data 'books/*.txt' --max-length 32768 --train-context 16384",
     )
     loss.add_argument("models", nargs="+", metavar="MODEL")
@@ -465,6 +471,10 @@ def add_eval_commands(commands):
                       "the MODEL arguments)")
     loss.add_argument("--reference", default=None, help="the label of the model (the original) whose top-1 "
                       "predictions the others' are compared with (default: the first MODEL's, with several)")
+    loss.add_argument("--sliding-window", type=at_least(2), default=None, metavar="TOKENS",
+                      help="also run the reference (or the only MODEL) over a sliding window of TOKENS, e.g. its "
+                           "trained context: each position sees the TOKENS/2 to TOKENS tokens before it, the fair "
+                           "baseline past that context, where the model run whole breaks down (default: off)")
     add_data_args(loss, num_docs=16, default="code,docs,prose", several=True)
     loss.set_defaults(func=run_per_token_loss)
 

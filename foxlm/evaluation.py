@@ -38,7 +38,8 @@ def load_causal_lm(source, dtype=None, device=None, with_tokenizer=True):
 
 
 @torch.no_grad()
-def loss_and_predictions(model, documents, max_length, device=None, chunk_size=4096, desc="per-token loss"):
+def loss_and_predictions(model, documents, max_length, device=None, chunk_size=4096, desc="per-token loss",
+                         window=None):
     """L(i), the mean next-token loss at each position i over the documents (each truncated to `max_length`), and
     the model's top-1 prediction at every position of every document, from the same forward passes.
 
@@ -50,7 +51,12 @@ def loss_and_predictions(model, documents, max_length, device=None, chunk_size=4
     The logits go through the output layer `chunk_size` positions at a time, from the base model's last hidden
     state: a whole 32k-token document's fp32 logits would take 6 GB with a 49k vocabulary. This is how LLaMA-family
     and FoX heads compute logits; models that scale or cap logits after the output layer are refused.
+
+    `window`: each position sees at most that many tokens (`last_hidden_states`), as a model whose context is
+    `window` would be run over a longer document; None: the whole document prefix.
     """
+    if window is not None and window < 2:
+        raise ValueError(f"window must be at least 2 tokens, got {window!r}")
     if getattr(model.config, "final_logit_softcapping", None) or getattr(model.config, "logit_scale", None):
         raise ValueError(f"{type(model).__name__} transforms its logits after the output layer; per_token_loss "
                          "supports models whose logits are output_layer(last hidden state)")
@@ -64,7 +70,7 @@ def loss_and_predictions(model, documents, max_length, device=None, chunk_size=4
         if ids.shape[1] < 2:
             predictions.append(np.zeros(0, dtype=np.int32))
             continue
-        hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+        hidden = last_hidden_states(model, ids, window)[:-1]
         losses, argmax = [], []
         for h, t in zip(hidden.split(chunk_size), ids[0, 1:].split(chunk_size)):
             logits = head(h).float()
@@ -76,6 +82,24 @@ def loss_and_predictions(model, documents, max_length, device=None, chunk_size=4
         count[: len(losses)] += 1
     with np.errstate(invalid="ignore"):
         return total / count, count, predictions
+
+
+def last_hidden_states(model, ids, window=None):
+    """The base model's last hidden state at each position of `ids` (1, T), as a (T, hidden) tensor. With `window`
+    (T > window), a sliding window: the first `window` positions in one pass, then passes of `window` tokens that
+    move by half a window and keep their last half, so every position sees between half a window and a window of
+    the tokens before it (a position of the first window sees all of them, as without a window)."""
+    def forward(part):
+        return model.base_model(input_ids=part, use_cache=False).last_hidden_state[0]
+
+    if window is None or ids.shape[1] <= window:
+        return forward(ids)
+    parts, done = [forward(ids[:, :window])], window
+    while done < ids.shape[1]:
+        end = min(done + window // 2, ids.shape[1])
+        parts.append(forward(ids[:, end - window : end])[done - end :])
+        done = end
+    return torch.cat(parts)
 
 
 def per_token_loss(model, documents, max_length, device=None, chunk_size=4096, desc="per-token loss"):
@@ -187,13 +211,14 @@ def plot_domains(curves_by_domain, path, train_context=None, original_context=No
     return save_figure(fig, path)
 
 
-def evaluate_models(models, documents, max_length, reference=None, dtype=None, device=None):
+def evaluate_models(models, documents, max_length, reference=None, dtype=None, device=None, windows=None):
     """Per-token loss of several models on several domains' documents, and each model's top-1 agreement with
     `reference`, from the same forward passes.
 
     `models`: {label: a loaded model, or a folder / Hub id / .gguf file, loaded one at a time with `dtype` and
     `device`}; `documents`: {domain: token id lists}; `reference`: the label of the model (the original) whose
-    top-1 predictions the others' are compared with, or None.
+    top-1 predictions the others' are compared with, or None; `windows`: {label: tokens} for models run over a
+    sliding window of that many tokens (`last_hidden_states`), e.g. the original within its trained context.
 
     Returns {domain: {"loss": {label: L(i)}, "agreement": {label: A(i)} (models other than the reference),
     "count": documents per position}}; see `loss_and_predictions` and `top1_agreement`.
@@ -210,7 +235,8 @@ def evaluate_models(models, documents, max_length, reference=None, dtype=None, d
             model, _ = load_causal_lm(source, dtype=dtype, device=device, with_tokenizer=False)
         for domain, docs in documents.items():
             desc = label if domain is None else f"{label}: {domain}"
-            loss, count, predictions = loss_and_predictions(model, docs, max_length, desc=desc)
+            loss, count, predictions = loss_and_predictions(model, docs, max_length, desc=desc,
+                                                            window=(windows or {}).get(label))
             results[domain]["loss"][label], results[domain]["count"] = loss, count
             if label == reference:
                 reference_predictions[domain] = predictions

@@ -193,7 +193,7 @@ def build_parser(prog=None):
     training.add_argument("--lr", type=float, default=None,
                           help=f"peak learning rate (default: {LORA_LR} with LoRA, {FULL_LR} with --full)")
     training.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
-    training.add_argument("--kl-weight", type=float, default=3.0,
+    training.add_argument("--kl-weight", type=float, default=10.0,
                           help="weight of KL(original || FoX) added to the next-token loss at positions inside "
                                "the original's context; 0 trains on next-token loss alone (default: %(default)s)")
     training.add_argument("--distill-only", action="store_true",
@@ -728,6 +728,8 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
 
 
 ORIGINAL, CONVERTED, FINE_TUNED = "original (RoPE)", "converted, before fine-tuning", "converted, fine-tuned"
+# The original run over a sliding window of its trained context: what it gives past that context without breaking.
+ORIGINAL_WINDOWED = "original, sliding window"
 
 
 def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, context):
@@ -741,9 +743,12 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
     on_gpu = torch.cuda.is_available()
     dtype, device = (torch.bfloat16, "cuda") if on_gpu else (torch.float32, "cpu")
     models = {} if args.skip_original else {ORIGINAL: source}
+    windows = {ORIGINAL_WINDOWED: context} if models and context and args.eval_length > context else {}
+    models.update({label: source for label in windows})
     models.update({CONVERTED: converted_dir, FINE_TUNED: fine_tuned_dir})
     reference = None if args.skip_original else ORIGINAL
-    results = evaluate_models(models, held_out, args.eval_length, reference=reference, dtype=dtype, device=device)
+    results = evaluate_models(models, held_out, args.eval_length, reference=reference, dtype=dtype, device=device,
+                              windows=windows)
     png = run_dir / "evaluation.png"
     report = write_evaluation_report(results, run_dir / "evaluation.json", png, train_context=args.context,
                                      original_context=context, min_documents=args.min_documents, reference=reference,

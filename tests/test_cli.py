@@ -121,6 +121,20 @@ def test_eval_per_token_loss_compares_models_and_matches_the_library_function(sa
               str(saved_models / "other")])
 
 
+def test_eval_per_token_loss_adds_the_reference_over_a_sliding_window(saved_models, capsys):
+    out = saved_models / "eval-window"
+    main(["eval", "per-token-loss", str(saved_models / "llama"), str(saved_models / "fox"), "--labels",
+          "original,fox", "--data", str(saved_models / "docs" / "*.txt"), "--max-length", "200", "--train-context",
+          "64", "--sliding-window", "64", "--output-dir", str(out)])
+    domain = next(iter(json.loads((out / "per_token_loss.json").read_text())["domains"].values()))
+    assert set(domain["per_token_loss"]) == {"original", "original, sliding window", "fox"}
+    original, windowed = (np.array(domain["per_token_loss"][label], dtype=float)
+                          for label in ("original", "original, sliding window"))
+    np.testing.assert_allclose(windowed[:63], original[:63], rtol=1e-5)  # the first window sees what the whole does
+    assert not np.allclose(windowed[64:], original[64:], rtol=1e-7, atol=0)
+    assert "\noriginal, sliding window " in capsys.readouterr().out
+
+
 def test_eval_needle_writes_a_score_grid_and_heatmap(saved_models):
     out = saved_models / "needle"
     main(["eval", "needle", str(saved_models / "fox"), "--data", str(saved_models / "docs" / "*.txt"),

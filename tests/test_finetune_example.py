@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import byte_tokenizer, finetune_args, kill_after_checkpoint, save_llama_and_corpus
@@ -19,7 +20,7 @@ from foxlm.cli import main as foxlm
 from foxlm.distillation import DistillationTrainer
 from foxlm.data import split_files, text_files
 
-LABELS = {"original (RoPE)", "converted, before fine-tuning", "converted, fine-tuned"}
+LABELS = {"original (RoPE)", "original, sliding window", "converted, before fine-tuning", "converted, fine-tuned"}
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,11 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
         assert list(domain["bands"]["converted, fine-tuned"]) == ["0-128", "128-512"]  # original context, length
         assert set(domain["agreement_bands"]) == LABELS - {"original (RoPE)"}
         assert all(len(curve) == 511 for curve in domain["per_token_loss"].values())
+        # The original is also run over a sliding window of its 128 positions: the same up to 128, not past it.
+        original, windowed = (np.array(domain["per_token_loss"][label], dtype=float)
+                              for label in ("original (RoPE)", "original, sliding window"))
+        np.testing.assert_allclose(windowed[:127], original[:127], rtol=1e-5)
+        assert not np.allclose(windowed[128:], original[128:], rtol=1e-7, atol=0)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["within_original_context"] == 128 and summary["training"]["steps"] == 3
     assert set(summary["vs_original"]) == {"held-out", "prose"}
@@ -75,7 +81,8 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
     assert any(line.startswith("sampled ") and "from the original" in line for line in out)
     assert any("3 steps of 256 tokens (2 blocks per pass)" in line for line in out)
     logged = [entry for entry in json.loads((run / "train_log.json").read_text()) if "loss" in entry]
-    assert logged and all(entry["kl"] > 0 and abs(entry["loss"] - entry["ce"] - entry["kl"]) < 1e-3
+    # loss = ce + 10 kl (the default --kl-weight); the log rounds each term to 4 decimals
+    assert logged and all(entry["kl"] > 0 and abs(entry["loss"] - entry["ce"] - 10 * entry["kl"]) < 1e-3
                           for entry in logged), logged
 
 
@@ -101,7 +108,7 @@ def test_full_finetuning_and_evaluation_run_as_two_invocations_within_a_time_bud
 
     foxlm(["finetune", *finetune_args(root, "full", "--eval-only", "--skip-original", "--no-needle")])
     result = json.loads((run / "evaluation.json").read_text())
-    assert set(result["domains"]["held-out"]["bands"]) == LABELS - {"original (RoPE)"}
+    assert set(result["domains"]["held-out"]["bands"]) == LABELS - {"original (RoPE)", "original, sliding window"}
 
 
 def test_resume_continues_from_the_last_checkpoint(llama_and_corpus):
