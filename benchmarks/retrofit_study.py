@@ -59,6 +59,10 @@ RECIPES = {
     "partial-rope-32k": ["--partial-rope", "32768"],
     "partial-rope-64k": ["--partial-rope", "65536"],
     "keep-rope": ["--keep-rope"],
+    # The gates' start with partial RoPE: decay times of about 8k and 22k tokens instead of 1,100.
+    "gate-bias-9": ["--gate-bias", "9"],
+    "gate-bias-10": ["--gate-bias", "10"],
+    "kl-30": ["--kl-weight", "30"],
     # The GPU default is 4 blocks per pass, compiled: these were the default (before 2026-11-27) and its parts.
     "one-block-per-pass": ["--micro-batch-size", "1", "--no-compile"],
     "micro-batch-4": ["--micro-batch-size", "4", "--no-compile"],

@@ -144,6 +144,10 @@ def build_parser(prog=None):
                            "by default); the attention transfer then gives back what RoPE did")
     rope.add_argument("--keep-rope", action="store_true",
                       help="keep all of RoPE (the gates start nearly open, as with --partial-rope)")
+    transfer.add_argument("--gate-bias", type=float, default=None, metavar="B",
+                          help="with RoPE kept, whole or in part: every forget gate starts at f = sigmoid(B), a "
+                               "decay time of about e^B tokens; higher forgets far tokens more slowly (default: "
+                               f"{ROPE_GATE_BIAS:g}, about 1,100 tokens)")
     transfer.add_argument("--token-shift", action=argparse.BooleanOptionalAction, default=True,
                           help="convert with FoX Pro's key and value token shift, which gives back the previous-token "
                                "information RoPE carried (default: on)")
@@ -260,6 +264,13 @@ def check_args(parser, args):
             parser.error(f"--{name.replace('_', '-')} must be a positive number, got {value}")
     if args.partial_rope is None:
         args.partial_rope = not (args.drop_rope or args.keep_rope)
+    if args.gate_bias is not None and not math.isfinite(args.gate_bias):
+        parser.error(f"--gate-bias must be a finite number, got {args.gate_bias}")
+    if args.gate_bias is not None and args.drop_rope:
+        parser.error("--gate-bias sets the gates' start with RoPE kept (--partial-rope, --keep-rope); with --drop-rope "
+                     "they start from decay times spread over the heads, which the attention transfer trains")
+    if args.partial_rope or args.keep_rope:
+        args.gate_bias = ROPE_GATE_BIAS if args.gate_bias is None else args.gate_bias
     if not (args.kl_weight >= 0 and math.isfinite(args.kl_weight)):
         parser.error(f"--kl-weight must be 0 or a positive number, got {args.kl_weight}")
     if not (args.sample_temperature > 0 and math.isfinite(args.sample_temperature)):
@@ -470,7 +481,8 @@ OPTIONS_FILE = "training_options.json"
 # --eval-only, --force) and evaluation's options. --steps may grow: training goes on to the new total, as Trainer's
 # max_steps allows (the cosine decay stretches to it); it may not shrink below what the run was started for.
 TRAINING_OPTIONS = ("model", "text_files", "dataset", "text_column", "train_domains", "teacher_samples",
-                    "sample_temperature", "sample_length", "partial_rope", "drop_rope", "keep_rope", "token_shift",
+                    "sample_temperature", "sample_length", "partial_rope", "drop_rope", "keep_rope", "gate_bias",
+                    "token_shift",
                     "output_gate", "transfer_steps", "transfer_qk_rank", "transfer_lr", "transfer_length",
                     "transfer_batch_size", "context", "steps", "tokens_per_step", "micro_batch_size",
                     "context_parallel", "processes", "full", "lora_r", "lora_modules", "lr", "warmup_steps",
@@ -496,6 +508,7 @@ def training_options(args, processes):
     options["lr"] = args.lr or (FULL_LR if args.full else LORA_LR)
     unused = {"lora_r": args.full, "lora_modules": args.full, "sample_temperature": not args.teacher_samples,
               "sample_length": not args.teacher_samples, "teacher_context": not args.kl_weight,
+              "gate_bias": args.drop_rope,
               **dict.fromkeys(("transfer_qk_rank", "transfer_lr", "transfer_length", "transfer_batch_size"),
                               not args.transfer_steps)}
     return {name: value for name, value in options.items() if not unused.get(name)}
@@ -613,11 +626,12 @@ def transfer_options(args, documents, context):
 
 def rope_options(args):
     """The conversion's RoPE and gate options. With RoPE kept, whole or in part, the converted model computes nearly
-    what the original did inside its context, so every gate starts nearly open (bias ROPE_GATE_BIAS,
-    docs/retrofit.md) rather than with the short decay times that stand in for RoPE's recency when it is dropped."""
+    what the original did inside its context, so every gate starts nearly open (--gate-bias, by default
+    ROPE_GATE_BIAS: docs/retrofit.md) rather than with the short decay times that stand in for RoPE's recency when it
+    is dropped."""
     if not (args.partial_rope or args.keep_rope):
         return {}
-    return dict(partial_rope=args.partial_rope, keep_rope=args.keep_rope, gate_init="open", gate_bias=ROPE_GATE_BIAS)
+    return dict(partial_rope=args.partial_rope, keep_rope=args.keep_rope, gate_init="open", gate_bias=args.gate_bias)
 
 
 def convert(args, source, converted_dir, train_docs, context):

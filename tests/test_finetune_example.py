@@ -237,7 +237,13 @@ def test_partial_rope_by_default_keeps_the_rotation_below_the_originals_context_
     assert "Partial RoPE" in (run / "converted" / "README.md").read_text()
     assert "Attention transfer" not in (run / "converted" / "README.md").read_text()
     options = json.loads((run / "training_options.json").read_text())["options"]
-    assert options["partial_rope"] is True and options["transfer_steps"] == 0
+    assert options["partial_rope"] is True and options["transfer_steps"] == 0 and options["gate_bias"] == 7.0
+    # --gate-bias sets the gates' start with RoPE kept, and is recorded.
+    foxlm(["finetune", *finetune_args(root, "gate-bias", "--keep-rope", "--gate-bias", "10", "--steps", "1",
+                                      "--skip-eval", "--teacher-samples", "0")])
+    config = json.loads((root / "gate-bias" / "converted" / "config.json").read_text())
+    assert config["use_rope"] and config["rope_max_wavelength"] is None and config["fgate_bias_init"] == 10.0
+    assert json.loads((root / "gate-bias" / "training_options.json").read_text())["options"]["gate_bias"] == 10.0
 
 
 def test_bad_arguments_are_named_before_any_training(llama_and_corpus, capsys):
@@ -249,6 +255,12 @@ def test_bad_arguments_are_named_before_any_training(llama_and_corpus, capsys):
     with pytest.raises(SystemExit):
         foxlm(["finetune", *finetune_args(root, "both-ropes", "--partial-rope", "--keep-rope")])
     assert "not allowed with argument" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        foxlm(["finetune", *finetune_args(root, "drop-gates", "--drop-rope", "--gate-bias", "9")])
+    assert "--gate-bias sets the gates' start with RoPE kept" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        foxlm(["finetune", *finetune_args(root, "inf-gates", "--gate-bias", "inf")])
+    assert "--gate-bias must be a finite number, got inf" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--eval-length 100000"):
         foxlm(["finetune", *finetune_args(root, "too-long", "--eval-length", "100000")])
     with pytest.raises(SystemExit):
