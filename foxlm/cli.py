@@ -114,7 +114,8 @@ def run_convert_llama(args):
     except FileNotFoundError as error:  # a corpus that is not installed
         raise FoxlmError(str(error)) from error
     output_dir = convert_llama_to_fox(
-        args.source, args.output_dir, keep_rope=args.keep_rope, partial_rope=args.partial_rope, dtype=args.dtype,
+        args.source, args.output_dir, keep_rope=args.keep_rope, partial_rope=args.partial_rope,
+        slow_pairs=args.slow_pairs, dtype=args.dtype,
         max_shard_size=args.max_shard_size, force=args.force, gate_init=args.gate_init, gate_bias=args.gate_bias,
         decay_times=tuple(args.decay_times), token_shift=args.token_shift, output_gate=args.output_gate, **transfer,
     )
@@ -196,6 +197,10 @@ def add_convert_commands(commands):
                            "source's context, max_position_embeddings) and drop it on the slower ones, whose angles "
                            "beyond the context were never trained: the converted model starts close to the source "
                            "(docs/retrofit.md)")
+    llama.add_argument("--slow-pairs", choices=("drop", "clamp"), default="drop",
+                       help="with --partial-rope, the pairs slower than TOKENS: drop their rotation, or clamp it, "
+                            "rotating them as the source does up to position TOKENS and no further, so that within "
+                            "TOKENS the model computes what the source does (default: %(default)s)")
     llama.add_argument("--gate-init", choices=GATE_INITS, default=DEFAULT_GATE_INIT,
                        help="how the new forget gates start (weights are zero either way): decay-spread gives the "
                             "heads of each layer decay times log-spaced over --decay-times; open gives every head "

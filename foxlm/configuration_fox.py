@@ -44,6 +44,11 @@ class FoxConfig(PreTrainedConfig):
             shorter than this are rotated; the slower pairs are left position-free, as without RoPE. A retrofit sets
             it to its source's context (`foxlm convert llama --partial-rope`): the pairs kept have turned through
             every angle within that context, the ones dropped are those whose angles beyond it were never trained.
+        rope_slow_pairs (`str`, defaults to `"drop"`):
+            What partial RoPE does with the slower pairs: `"drop"` leaves them unrotated; `"clamp"` rotates them
+            with positions capped at `rope_max_wavelength`, so up to that position they turn as in the original
+            and beyond it they stop, never reaching an angle (a distance up to `rope_max_wavelength`) the original
+            did not see.
         qk_norm (`bool`, defaults to `False`):
             Per-head RMSNorm of q and k (FoX Pro), with `qk_norm_eps`.
         use_output_gate (`bool`, defaults to `False`):
@@ -129,6 +134,7 @@ class FoxConfig(PreTrainedConfig):
     use_rope: bool = False
     rope_parameters: RopeParameters | dict | None = None
     rope_max_wavelength: int | float | None = None
+    rope_slow_pairs: str = "drop"
     qk_norm: bool = False
     qk_norm_eps: int | float = 1e-5
     use_output_gate: bool = False
@@ -211,6 +217,11 @@ class FoxConfig(PreTrainedConfig):
             if "dynamic" in rope_type or rope_type == "longrope":
                 raise ValueError(f"`rope_max_wavelength` needs fixed RoPE frequencies; rope_type {rope_type!r} "
                                  "recomputes them with the sequence length.")
+        if self.rope_slow_pairs not in ("drop", "clamp"):
+            raise ValueError(f"`rope_slow_pairs` must be 'drop' or 'clamp', got {self.rope_slow_pairs!r}.")
+        if self.rope_slow_pairs != "drop" and self.rope_max_wavelength is None:
+            raise ValueError("`rope_slow_pairs` says what partial RoPE does with the pairs slower than "
+                             "`rope_max_wavelength`: it needs `rope_max_wavelength`.")
         if self.hidden_act not in ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu"):
             raise ValueError(f"`hidden_act` {self.hidden_act!r} is not a supported gated-MLP activation.")
 

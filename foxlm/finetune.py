@@ -144,6 +144,11 @@ def build_parser(prog=None):
                            "by default); the attention transfer then gives back what RoPE did")
     rope.add_argument("--keep-rope", action="store_true",
                       help="keep all of RoPE (the gates start nearly open, as with --partial-rope)")
+    transfer.add_argument("--slow-pairs", choices=("drop", "clamp"), default="drop",
+                          help="with --partial-rope, the channel pairs slower than its cut: drop their rotation, or "
+                               "clamp it (they rotate as in the original up to the cut's position and no further, so "
+                               "that within it the converted model computes what the original does; default: "
+                               "%(default)s)")
     transfer.add_argument("--gate-bias", type=float, default=None, metavar="B",
                           help="with RoPE kept, whole or in part: every forget gate starts at f = sigmoid(B), a "
                                "decay time of about e^B tokens; higher forgets far tokens more slowly (default: "
@@ -271,6 +276,9 @@ def check_args(parser, args):
                      "they start from decay times spread over the heads, which the attention transfer trains")
     if args.partial_rope or args.keep_rope:
         args.gate_bias = ROPE_GATE_BIAS if args.gate_bias is None else args.gate_bias
+    if args.slow_pairs != "drop" and not args.partial_rope:
+        parser.error("--slow-pairs says what --partial-rope does with the channel pairs slower than its cut; it does "
+                     "not go with --drop-rope or --keep-rope")
     if not (args.kl_weight >= 0 and math.isfinite(args.kl_weight)):
         parser.error(f"--kl-weight must be 0 or a positive number, got {args.kl_weight}")
     if not (args.sample_temperature > 0 and math.isfinite(args.sample_temperature)):
@@ -481,8 +489,8 @@ OPTIONS_FILE = "training_options.json"
 # --eval-only, --force) and evaluation's options. --steps may grow: training goes on to the new total, as Trainer's
 # max_steps allows (the cosine decay stretches to it); it may not shrink below what the run was started for.
 TRAINING_OPTIONS = ("model", "text_files", "dataset", "text_column", "train_domains", "teacher_samples",
-                    "sample_temperature", "sample_length", "partial_rope", "drop_rope", "keep_rope", "gate_bias",
-                    "token_shift",
+                    "sample_temperature", "sample_length", "partial_rope", "drop_rope", "keep_rope", "slow_pairs",
+                    "gate_bias", "token_shift",
                     "output_gate", "transfer_steps", "transfer_qk_rank", "transfer_lr", "transfer_length",
                     "transfer_batch_size", "context", "steps", "tokens_per_step", "micro_batch_size",
                     "context_parallel", "processes", "full", "lora_r", "lora_modules", "lr", "warmup_steps",
@@ -508,7 +516,7 @@ def training_options(args, processes):
     options["lr"] = args.lr or (FULL_LR if args.full else LORA_LR)
     unused = {"lora_r": args.full, "lora_modules": args.full, "sample_temperature": not args.teacher_samples,
               "sample_length": not args.teacher_samples, "teacher_context": not args.kl_weight,
-              "gate_bias": args.drop_rope,
+              "gate_bias": args.drop_rope, "slow_pairs": not args.partial_rope,
               **dict.fromkeys(("transfer_qk_rank", "transfer_lr", "transfer_length", "transfer_batch_size"),
                               not args.transfer_steps)}
     return {name: value for name, value in options.items() if not unused.get(name)}
@@ -631,7 +639,9 @@ def rope_options(args):
     is dropped."""
     if not (args.partial_rope or args.keep_rope):
         return {}
-    return dict(partial_rope=args.partial_rope, keep_rope=args.keep_rope, gate_init="open", gate_bias=args.gate_bias)
+    slow_pairs = {"slow_pairs": args.slow_pairs} if args.partial_rope else {}
+    return dict(partial_rope=args.partial_rope, keep_rope=args.keep_rope, gate_init="open", gate_bias=args.gate_bias,
+                **slow_pairs)
 
 
 def convert(args, source, converted_dir, train_docs, context):

@@ -107,6 +107,11 @@ def conversion_changes(kind, config, options=None):
 
 
 def rope_change(config):
+    if config.rope_max_wavelength and config.rope_slow_pairs == "clamp":
+        return (f"Partial RoPE (`rope_max_wavelength={config.rope_max_wavelength:g}` tokens, `rope_slow_pairs="
+                "\"clamp\"`): the channel pairs whose wavelength is shorter keep their rotation, the slower ones "
+                "rotate as in the source up to that position and stop there, and the forget gate gives the recency "
+                "bias at long range.")
     if config.rope_max_wavelength:
         return (f"Partial RoPE (`rope_max_wavelength={config.rope_max_wavelength:g}` tokens): the "
                 "channel pairs whose wavelength is shorter keep their rotation, the slower ones are dropped and the "
@@ -127,6 +132,7 @@ def conversion_card(*, name, kind, source, config, dtype, tokenizer_saved, verif
                 "--gate-init decay-spread --decay-times {:g} {:g}".format(*options["decay_times"]))
         rope = (f" --partial-rope {config.rope_max_wavelength:g}" if config.rope_max_wavelength else
                 " --keep-rope" if config.use_rope else "")
+        rope += " --slow-pairs clamp" if config.rope_slow_pairs == "clamp" else ""
         command = (f"foxlm convert llama {source} {name} {gate}" + rope
                    + (" --token-shift" if config.use_k_shift else "")
                    + (" --output-gate" if config.use_output_gate else ""))

@@ -415,18 +415,32 @@ class FoxDecoderLayer(GradientCheckpointingLayer):
 
 class FoxRotaryEmbedding(LlamaRotaryEmbedding):
     """LLaMA's RoPE, with `config.rope_max_wavelength` (partial RoPE): the channel pairs whose wavelength is that long
-    or longer get frequency 0, so cos = 1 and sin = 0 leave them unrotated."""
+    or longer get frequency 0, so cos = 1 and sin = 0 leave them unrotated; with `config.rope_slow_pairs="clamp"` they
+    keep their frequency and rotate with positions capped at `rope_max_wavelength` instead."""
 
     def __init__(self, config):
         super().__init__(config)
         self.drop_long_wavelengths()
 
+    def slow_pairs(self):
+        return 2 * math.pi / self.inv_freq >= self.config.rope_max_wavelength
+
     @torch.no_grad()
     def drop_long_wavelengths(self):
-        limit = self.config.rope_max_wavelength
-        if limit is not None:
+        if self.config.rope_max_wavelength is not None and self.config.rope_slow_pairs == "drop":
             for frequencies in (self.inv_freq, self.original_inv_freq):
-                frequencies.masked_fill_(2 * math.pi / frequencies >= limit, 0.0)
+                frequencies.masked_fill_(2 * math.pi / frequencies >= self.config.rope_max_wavelength, 0.0)
+
+    @torch.no_grad()
+    def forward(self, x, position_ids):
+        if self.config.rope_max_wavelength is None or self.config.rope_slow_pairs != "clamp":
+            return super().forward(x, position_ids)
+        limit = self.config.rope_max_wavelength
+        positions = position_ids[:, :, None].float()  # (batch, tokens, 1) against (pairs,)
+        positions = torch.where(self.slow_pairs(), positions.clamp(max=limit), positions)
+        angles = positions * self.inv_freq.float()
+        angles = torch.cat((angles, angles), dim=-1)
+        return (angles.cos() * self.attention_scaling).to(x.dtype), (angles.sin() * self.attention_scaling).to(x.dtype)
 
 
 class FoxPreTrainedModel(PreTrainedModel):

@@ -88,6 +88,8 @@ def test_config_json_with_layer_types_from_earlier_versions_still_loads(tmp_path
         (dict(rope_parameters=dict(rope_type="linear", rope_theta=5e5, factor=4.0)), "use_rope=False"),
         (dict(rope_max_wavelength=8192.0), "needs `use_rope=True`"),
         (dict(use_rope=True, rope_max_wavelength=0.0), "positive number of tokens"),
+        (dict(use_rope=True, rope_max_wavelength=8192.0, rope_slow_pairs="zero"), "'drop' or 'clamp'"),
+        (dict(use_rope=True, rope_slow_pairs="clamp"), "it needs `rope_max_wavelength`"),
         (dict(use_rope=True, rope_max_wavelength=8192.0,
               rope_parameters=dict(rope_type="dynamic", rope_theta=5e5, factor=2.0)), "fixed RoPE frequencies"),
     ],

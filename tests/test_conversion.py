@@ -106,6 +106,29 @@ def test_partial_rope_rotates_the_pairs_faster_than_the_context_only(tmp_path):
         convert_llama_to_fox(tmp_path / "llama", tmp_path / "both", keep_rope=True, partial_rope=True)
 
 
+def test_clamped_slow_pairs_compute_what_the_source_does_up_to_the_cut_and_stop_turning_past_it(tmp_path):
+    llama = save_tiny(tmp_path / "llama", max_position_embeddings=100, head_dim=8)
+    out = convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", dtype="fp32", partial_rope=True,
+                               slow_pairs="clamp", gate_init="open", gate_bias=30.0)
+    fox = FoxForCausalLM.from_pretrained(out).eval()
+    assert fox.config.rope_slow_pairs == "clamp" and "--slow-pairs clamp" in (out / "README.md").read_text()
+    torch.testing.assert_close(fox.model.rotary_emb.inv_freq, llama.model.rotary_emb.inv_freq)  # none dropped
+    ids = torch.randint(0, 97, (2, 130))
+    with torch.no_grad():
+        fox_logits, llama_logits = fox(ids).logits, llama(ids).logits
+    below, past = ((fox_logits - llama_logits)[:, part].abs().max() for part in (slice(0, 100), slice(100, None)))
+    assert below <= 1e-5 and past > 100 * below
+    # Past position 100 the two slow pairs (wavelengths 628 and 6283) stay at position 100's angle, the fast ones turn.
+    positions = torch.arange(130)[None]
+    cos, sin = fox.model.rotary_emb(fox_logits, positions)
+    cos_llama, _ = llama.model.rotary_emb(fox_logits, positions)
+    slow, fast = [2, 3, 6, 7], [0, 1, 4, 5]
+    torch.testing.assert_close(cos[0, 100:, slow], cos[0, 100:101, slow].expand(30, 4))
+    torch.testing.assert_close(cos[0, :, fast], cos_llama[0, :, fast])
+    with pytest.raises(ConversionError, match="it needs partial_rope"):
+        convert_llama_to_fox(tmp_path / "llama", tmp_path / "keep", keep_rope=True, slow_pairs="clamp")
+
+
 def test_default_conversion_drops_rope_and_adds_zero_weight_gates(tmp_path):
     llama = save_tiny(tmp_path / "llama")
     fox = FoxForCausalLM.from_pretrained(convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox"))

@@ -238,6 +238,11 @@ def test_partial_rope_by_default_keeps_the_rotation_below_the_originals_context_
     assert "Attention transfer" not in (run / "converted" / "README.md").read_text()
     options = json.loads((run / "training_options.json").read_text())["options"]
     assert options["partial_rope"] is True and options["transfer_steps"] == 0 and options["gate_bias"] == 7.0
+    assert options["slow_pairs"] == "drop" and config["rope_slow_pairs"] == "drop"
+    foxlm(["finetune", *finetune_args(root, "clamped", "--slow-pairs", "clamp", "--steps", "1", "--skip-eval",
+                                      "--teacher-samples", "0")])
+    assert json.loads((root / "clamped" / "fine-tuned" / "config.json").read_text())["rope_slow_pairs"] == "clamp"
+    assert json.loads((root / "clamped" / "training_options.json").read_text())["options"]["slow_pairs"] == "clamp"
     # --gate-bias sets the gates' start with RoPE kept, and is recorded.
     foxlm(["finetune", *finetune_args(root, "gate-bias", "--keep-rope", "--gate-bias", "10", "--steps", "1",
                                       "--skip-eval", "--teacher-samples", "0")])
@@ -258,6 +263,9 @@ def test_bad_arguments_are_named_before_any_training(llama_and_corpus, capsys):
     with pytest.raises(SystemExit):
         foxlm(["finetune", *finetune_args(root, "drop-gates", "--drop-rope", "--gate-bias", "9")])
     assert "--gate-bias sets the gates' start with RoPE kept" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        foxlm(["finetune", *finetune_args(root, "keep-clamped", "--keep-rope", "--slow-pairs", "clamp")])
+    assert "--slow-pairs says what --partial-rope does" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         foxlm(["finetune", *finetune_args(root, "inf-gates", "--gate-bias", "inf")])
     assert "--gate-bias must be a finite number, got inf" in capsys.readouterr().err

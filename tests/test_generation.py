@@ -23,7 +23,8 @@ def test_generate_builds_fox_cache_layers(make_model):
     assert getattr(out, CACHE_ARG).get_seq_length() == 7
 
 
-ROPE = {"no-rope": {}, "partial-rope": dict(use_rope=True, rope_max_wavelength=50.0)}
+ROPE = {"no-rope": {}, "partial-rope": dict(use_rope=True, rope_max_wavelength=50.0),
+        "clamped-slow-pairs": dict(use_rope=True, rope_max_wavelength=6.0, rope_slow_pairs="clamp")}
 
 
 @pytest.mark.parametrize("rope", ROPE.values(), ids=ROPE.keys())

@@ -50,7 +50,9 @@ def tokenize_without_foxlm(folder, text, tmp_path):
     return json.loads((tmp_path / "tokenized.json").read_text())
 
 
-@pytest.mark.parametrize("rope", [{}, dict(use_rope=True, rope_max_wavelength=50.0)], ids=["no-rope", "partial-rope"])
+@pytest.mark.parametrize("rope", [{}, dict(use_rope=True, rope_max_wavelength=50.0),
+                                  dict(use_rope=True, rope_max_wavelength=4.0, rope_slow_pairs="clamp")],
+                         ids=["no-rope", "partial-rope", "clamped-slow-pairs"])
 def test_saved_folder_loads_as_remote_code_without_foxlm(make_model, tmp_path, rope):
     model = make_model(**rope)
     model.save_pretrained(tmp_path / "model")

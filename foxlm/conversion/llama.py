@@ -116,12 +116,13 @@ def load_source_config(source):
     return AutoConfig.from_pretrained(name_or_path, **kwargs)
 
 
-def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, gate_init=DEFAULT_GATE_INIT,
-                          gate_bias=DEFAULT_GATE_BIAS, decay_times=DEFAULT_DECAY_TIMES, token_shift=False,
-                          output_gate=False):
+def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_pairs="drop",
+                          gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS, decay_times=DEFAULT_DECAY_TIMES,
+                          token_shift=False, output_gate=False):
     """A FoxConfig with the source's sizes, a data-dependent forget gate, with `keep_rope` its RoPE, with
     `partial_rope` its RoPE on the channel pairs whose wavelength is shorter than `partial_rope` tokens only (True: the
-    source's context, `max_position_embeddings`), with `token_shift` a key and value token shift (FoX Pro's) that
+    source's context, `max_position_embeddings`; the slower pairs unrotated, or with `slow_pairs="clamp"` rotated up
+    to that position only: `FoxConfig.rope_slow_pairs`), with `token_shift` a key and value token shift (FoX Pro's) that
     starts near no shift, and with `output_gate` FoX Pro's output gate (`fox_from_llama` makes it start as no
     gate)."""
     check_gate_options(gate_init, gate_bias, decay_times)
@@ -131,6 +132,11 @@ def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, gate_i
             isinstance(partial_rope, (int, float)) and 0 < partial_rope < math.inf):
         raise ConversionError(f"partial_rope must be True (the source's context) or a wavelength in tokens, got "
                               f"{partial_rope!r}.")
+    if slow_pairs not in ("drop", "clamp"):
+        raise ConversionError(f"slow_pairs must be 'drop' or 'clamp', got {slow_pairs!r}.")
+    if slow_pairs != "drop" and not partial_rope:
+        raise ConversionError("slow_pairs says what partial RoPE does with the pairs slower than its cut: it needs "
+                              "partial_rope.")
     fields = {name: getattr(config, name) for name in COPIED_FIELDS if getattr(config, name, None) is not None}
     fields["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     # Qwen2 always has q/k/v biases (its config has no flag); FoX's flag also gives o_proj a bias, which starts at 0.
@@ -148,6 +154,7 @@ def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, gate_i
         fields.update(use_rope=True, rope_parameters=dict(config.rope_parameters))
     if partial_rope:
         fields["rope_max_wavelength"] = float(config.max_position_embeddings if partial_rope is True else partial_rope)
+        fields["rope_slow_pairs"] = slow_pairs
     return FoxConfig(fgate_type="data_dependent", **fields)
 
 
@@ -198,14 +205,15 @@ def fox_from_llama(model, **options):
     return fox.eval()
 
 
-def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=False, dtype="auto",
+def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=False, slow_pairs="drop", dtype="auto",
                          max_shard_size="5GB", force=False, gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS,
                          decay_times=DEFAULT_DECAY_TIMES, token_shift=False, output_gate=False, transfer_steps=0,
                          transfer_data=None, transfer_lr=DEFAULT_TRANSFER_LR, transfer_qk_rank=0, transfer_device=None):
     """Convert a LLaMA-family checkpoint (`source`: folder, Hub id or .gguf file) into a FoX model folder.
 
     RoPE is dropped, kept with `keep_rope`, or kept with `partial_rope` on the channel pairs whose wavelength is
-    shorter than `partial_rope` tokens only (True: the source's context; docs/retrofit.md, "Partial RoPE").
+    shorter than `partial_rope` tokens only (True: the source's context; docs/retrofit.md, "Partial RoPE"), the
+    slower pairs unrotated or, with `slow_pairs="clamp"`, rotated with positions capped at the cut.
     With `token_shift` the FoX model gets FoX Pro's key and value token shift, starting near no shift; it gives back
     some of the position information RoPE carried (the previous token's key and value), and the transfer trains it.
     With `output_gate` it gets FoX Pro's output gate, starting as no gate (`fox_from_llama`), also trained by the
@@ -225,8 +233,8 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=Fa
         raise ConversionError("attention transfer needs both transfer_steps > 0 and transfer_data (input-id batches); "
                               f"got transfer_steps={transfer_steps} and transfer_data={type(transfer_data).__name__}.")
     source_config = load_source_config(source)
-    options = dict(keep_rope=keep_rope, partial_rope=partial_rope, gate_init=gate_init, gate_bias=gate_bias,
-                   decay_times=decay_times, token_shift=token_shift, output_gate=output_gate)
+    options = dict(keep_rope=keep_rope, partial_rope=partial_rope, slow_pairs=slow_pairs, gate_init=gate_init,
+                   gate_bias=gate_bias, decay_times=decay_times, token_shift=token_shift, output_gate=output_gate)
     fox_config_from_llama(source_config, **options)  # validate the options before loading any weights
     source_dtype = getattr(source_config, "dtype", None)
     source_dtype = getattr(torch, source_dtype) if isinstance(source_dtype, str) else source_dtype
