@@ -107,15 +107,13 @@ def conversion_changes(kind, config, options=None):
 
 
 def rope_change(config):
-    if config.rope_max_wavelength and config.rope_slow_pairs == "clamp":
-        return (f"Partial RoPE (`rope_max_wavelength={config.rope_max_wavelength:g}` tokens, `rope_slow_pairs="
-                "\"clamp\"`): the channel pairs whose wavelength is shorter keep their rotation, the slower ones "
-                "rotate as in the source up to that position and stop there, and the forget gate gives the recency "
-                "bias at long range.")
     if config.rope_max_wavelength:
-        return (f"Partial RoPE (`rope_max_wavelength={config.rope_max_wavelength:g}` tokens): the "
-                "channel pairs whose wavelength is shorter keep their rotation, the slower ones are dropped and the "
-                "forget gate gives the recency bias at long range.")
+        clamped = config.rope_slow_pairs == "clamp"
+        setting = f"`rope_max_wavelength={config.rope_max_wavelength:g}` tokens" + (
+            ', `rope_slow_pairs="clamp"`' if clamped else "")
+        slow = "rotate as in the source up to that position and stop there," if clamped else "are dropped"
+        return (f"Partial RoPE ({setting}): the channel pairs whose wavelength is shorter keep their rotation, the "
+                f"slower ones {slow} and the forget gate gives the recency bias at long range.")
     if config.use_rope:
         return "RoPE kept (`use_rope=True`, the source's rope parameters)."
     return "RoPE dropped: FoX needs no position embedding, the forget gate gives the recency bias."

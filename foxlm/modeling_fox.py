@@ -422,14 +422,15 @@ class FoxRotaryEmbedding(LlamaRotaryEmbedding):
         super().__init__(config)
         self.drop_long_wavelengths()
 
-    def slow_pairs(self):
-        return 2 * math.pi / self.inv_freq >= self.config.rope_max_wavelength
+    def slow_pairs(self, frequencies):
+        """The pairs whose wavelength is at least `rope_max_wavelength` (a dropped pair's frequency 0 counts too)."""
+        return 2 * math.pi / frequencies >= self.config.rope_max_wavelength
 
     @torch.no_grad()
     def drop_long_wavelengths(self):
         if self.config.rope_max_wavelength is not None and self.config.rope_slow_pairs == "drop":
             for frequencies in (self.inv_freq, self.original_inv_freq):
-                frequencies.masked_fill_(2 * math.pi / frequencies >= self.config.rope_max_wavelength, 0.0)
+                frequencies.masked_fill_(self.slow_pairs(frequencies), 0.0)
 
     @torch.no_grad()
     def forward(self, x, position_ids):
@@ -437,7 +438,7 @@ class FoxRotaryEmbedding(LlamaRotaryEmbedding):
             return super().forward(x, position_ids)
         limit = self.config.rope_max_wavelength
         positions = position_ids[:, :, None].float()  # (batch, tokens, 1) against (pairs,)
-        positions = torch.where(self.slow_pairs(), positions.clamp(max=limit), positions)
+        positions = torch.where(self.slow_pairs(self.inv_freq), positions.clamp(max=limit), positions)
         angles = positions * self.inv_freq.float()
         angles = torch.cat((angles, angles), dim=-1)
         return (angles.cos() * self.attention_scaling).to(x.dtype), (angles.sin() * self.attention_scaling).to(x.dtype)
