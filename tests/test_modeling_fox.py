@@ -52,9 +52,14 @@ def test_logits_to_keep_inputs_embeds_and_hidden_states(make_model):
     torch.testing.assert_close(model(inputs_embeds=embeds).logits, full.logits)
 
 
+# With RoPE, each sequence's positions (and so the clamp of the slow pairs) count from its own first token.
+ROPE = {"no-rope": {}, "clamped-slow-pairs": dict(use_rope=True, rope_max_wavelength=4.0, rope_slow_pairs="clamp")}
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_padding_gives_the_logits_of_unpadded_sequences(make_model, side):
-    model = make_model()
+@pytest.mark.parametrize("rope", ROPE.values(), ids=ROPE.keys())
+def test_padding_gives_the_logits_of_unpadded_sequences(make_model, side, rope):
+    model = make_model(**rope)
     lengths = [9, 5, 7]
     seqs = [torch.randint(3, 97, (n,)) for n in lengths]
     T = max(lengths)
@@ -70,8 +75,9 @@ def test_padding_gives_the_logits_of_unpadded_sequences(make_model, side):
         torch.testing.assert_close(logits[b, where], model(s[None]).logits[0], rtol=1e-5, atol=1e-5)
 
 
-def test_packed_documents_do_not_see_each_other(make_model):
-    model = make_model()
+@pytest.mark.parametrize("rope", ROPE.values(), ids=ROPE.keys())
+def test_packed_documents_do_not_see_each_other(make_model, rope):
+    model = make_model(**rope)
     docs = [torch.randint(3, 97, (n,)) for n in (6, 1, 8)]
     ids = torch.cat(docs)[None]
     position_ids = torch.cat([torch.arange(len(d)) for d in docs])[None]
