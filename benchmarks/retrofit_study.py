@@ -7,7 +7,9 @@ held-out domains with top-1 agreement and the needle test) in DIR/<recipe>, with
 budget; the documents are tokenized once for all. The summaries (each run's summary.json) go to
 benchmarks/results/retrofit_study_<device>_<date>_<recipes>.json, and a Markdown table of the headline numbers is
 printed. With `--gpus 0,1,2,3` the recipes run at the same time, one per GPU (each in its own process, its output in
-DIR/<recipe>.log; a GPU takes the next recipe when one ends), and one JSON holds them all.
+DIR/<recipe>.log; a GPU takes the next recipe when one ends), and one JSON holds them all. A GPU named twice
+(`--gpus 0,1,0,1`) runs two recipes at once. The recipes that sample from the original alike share the first one's
+samples (`--samples-from`): they start once it has saved them.
 """
 
 import argparse
@@ -66,6 +68,7 @@ RECIPES = {
     "gate-bias-9": ["--gate-bias", "9"],
     "gate-bias-10": ["--gate-bias", "10"],
     "kl-30": ["--kl-weight", "30"],
+    "clamp-slow-pairs-kl-30": ["--slow-pairs", "clamp", "--kl-weight", "30"],
     # The GPU default is 4 blocks per pass, compiled: these were the default (before 2026-11-27) and its parts.
     "one-block-per-pass": ["--micro-batch-size", "1", "--no-compile"],
     "micro-batch-4": ["--micro-batch-size", "4", "--no-compile"],
@@ -100,6 +103,26 @@ def cached_samples():
         return documents
 
     return sample
+
+
+def reused_samples(path):
+    """`finetune.teacher_samples` that copies the samples another run saved (PATH, its teacher_samples.npz) into
+    each run instead of sampling again."""
+    saved = Path(path).read_bytes()
+
+    def sample(args, source, run_dir):
+        (run_dir / finetune.SAMPLES_FILE).write_bytes(saved)
+        return finetune.saved_samples(run_dir / finetune.SAMPLES_FILE)
+
+    return sample
+
+
+SAMPLING_OPTIONS = ("--teacher-samples", "--sample-temperature", "--sample-length", "--sample-batch-size")
+
+
+def sampling_options(options):
+    """The options among OPTIONS that change what is sampled from the original."""
+    return [(option, value) for option, value in zip(options, options[1:]) if option in SAMPLING_OPTIONS]
 
 
 def band_change(bands, label, reference, band):
@@ -153,7 +176,7 @@ def table(runs):
 def run_recipes(recipes, args, common, save):
     """Each recipe in turn in this process; `save(runs)` after each."""
     finetune.load_documents = cached_documents()
-    finetune.teacher_samples = cached_samples()
+    finetune.teacher_samples = reused_samples(args.samples_from) if args.samples_from else cached_samples()
     runs = {}
     for name in recipes:
         run_dir = Path(args.output_dir) / name
@@ -169,31 +192,51 @@ def run_recipes(recipes, args, common, save):
 
 
 def run_recipes_on_gpus(recipes, args, gpus, save):
-    """Each recipe in a process of its own (this script, one recipe), one per GPU at a time."""
+    """Each recipe in a process of its own (this script, one recipe), one per slot of `gpus` at a time. Recipes that
+    sample from the original as the first one does wait for its samples and reuse them."""
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     pending, running, runs = list(recipes), {}, {}
+    sampler = recipes[0]
+    samples, sampler_started = output / sampler / finetune.SAMPLES_FILE, time.time()
+    samples_options = sampling_options([*RECIPES[sampler], *args.finetune_args])
+    samples_wanted = ("--teacher-samples", "0") not in samples_options
+
+    def sampled():  # by this study's sampler, not an earlier study in this folder
+        return samples.exists() and samples.stat().st_mtime >= sampler_started
+
+    def ready(name):
+        if name == sampler or not samples_wanted or sampled():
+            return True
+        sampler_ended = sampler not in [entry[0] for entry in running.values()]
+        return sampling_options([*RECIPES[name], *args.finetune_args]) != samples_options or sampler_ended
+
     while pending or running:
-        for gpu in [g for g in gpus if g not in running and pending]:
+        for slot, gpu in enumerate(gpus):
+            if slot in running or not pending or not ready(pending[0]):
+                continue
             name = pending.pop(0)
+            reuse = name != sampler and sampled() and (
+                sampling_options([*RECIPES[name], *args.finetune_args]) == samples_options)
             command = [sys.executable, __file__, "--recipes", name, "--minutes", str(args.minutes),
                        "--output-dir", str(output), "--results", str(output / f"{name}.result"),
-                       *(["--model", args.model] if args.model else []), "--", *args.finetune_args]
+                       *(["--model", args.model] if args.model else []),
+                       *(["--samples-from", str(samples)] if reuse else []), "--", *args.finetune_args]
             log = open(output / f"{name}.log", "w")
-            print(f"{name}: GPU {gpu}, output in {log.name}")
-            running[gpu] = (name, log, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                                       env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)))
+            print(f"{name}: GPU {gpu}, output in {log.name}" + (", the samples of " + sampler if reuse else ""))
+            running[slot] = (name, log, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                                        env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)))
         time.sleep(5)
-        for gpu, (name, log, process) in list(running.items()):
+        for slot, (name, log, process) in list(running.items()):
             if process.poll() is None:
                 continue
             log.close()
-            del running[gpu]
+            del running[slot]
             if process.returncode:
                 print(f"{name} failed (exit status {process.returncode}); see {log.name}")
                 continue
             result = next((output / f"{name}.result").glob("retrofit_study_*.json"))
-            runs[name] = {**json.loads(result.read_text())["runs"][name], "gpu": gpu}
+            runs[name] = {**json.loads(result.read_text())["runs"][name], "gpu": gpus[slot]}
             print(table(runs))
             save(runs)
     return runs
@@ -208,8 +251,12 @@ def main():
     parser.add_argument("--output-dir", default="retrofit-study", help="where the runs go")
     parser.add_argument("--results", default=str(Path(__file__).parent / "results"), help="where the JSON goes")
     parser.add_argument("--gpus", default=None, metavar="LIST",
-                        help="comma-separated CUDA device indices: run the recipes at the same time, one per GPU "
-                             "(GPUs of one host share its CPUs and memory bandwidth; the JSON says which ran where)")
+                        help="comma-separated CUDA device indices: run the recipes at the same time, one per GPU; a "
+                             "GPU named twice runs two at once (GPUs of one host share its CPUs and memory "
+                             "bandwidth; the JSON says which ran where)")
+    parser.add_argument("--samples-from", default=None, metavar="FILE",
+                        help="the teacher samples another run saved (its teacher_samples.npz), used instead of "
+                             "sampling from the original again; --gpus passes it to the recipes that sample alike")
     parser.add_argument("finetune_args", nargs=argparse.REMAINDER,
                         help="after --: options given to every recipe (e.g. -- --eval-length 16384)")
     args = parser.parse_args()
@@ -219,8 +266,10 @@ def main():
     if unknown:
         parser.error(f"--recipes: unknown {', '.join(unknown)}; choose from {', '.join(RECIPES)}")
     gpus = args.gpus.split(",") if args.gpus else None
-    if gpus is not None and (len(set(gpus)) != len(gpus) or not all(g.isdigit() for g in gpus)):
-        parser.error(f"--gpus: give distinct CUDA device indices such as 0,1,2,3, not {args.gpus!r}")
+    if gpus is not None and not all(g.isdigit() for g in gpus):
+        parser.error(f"--gpus: give CUDA device indices such as 0,1,2,3, not {args.gpus!r}")
+    if args.samples_from and not Path(args.samples_from).is_file():
+        parser.error(f"--samples-from: no file {args.samples_from}")
     common = [*args.finetune_args, *(["--model", args.model] if args.model else [])]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     # The recipes in the name: studies started in the same minute keep their own files.

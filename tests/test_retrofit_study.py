@@ -1,5 +1,5 @@
 """benchmarks/retrofit_study.py on a tiny LLaMA: recipes side by side, here two at the same time (`--gpus`, which
-on a machine without CUDA runs each recipe's process on the CPU)."""
+on a machine without CUDA runs each recipe's process on the CPU; naming a GPU twice gives it two recipes)."""
 
 import importlib.util
 import json
@@ -20,17 +20,22 @@ def study(*arguments, cwd):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_recipes_run_at_the_same_time_and_land_in_one_record(tmp_path):
+@pytest.mark.parametrize("gpus", ["0,1", "0,0"])
+def test_recipes_run_at_the_same_time_share_the_samples_and_land_in_one_record(tmp_path, gpus):
     root = save_llama_and_corpus(tmp_path)
     tiny = finetune_args(root, "unused", "--steps", "2", "--transfer-steps", "2", "--teacher-samples", "256",
                          "--no-needle", "--eval-docs", "2")
-    done = study("--recipes", "default,no-kl", "--gpus", "0,1", "--minutes", "5", "--output-dir", str(root / "study"),
+    done = study("--recipes", "default,no-kl", "--gpus", gpus, "--minutes", "5", "--output-dir", str(root / "study"),
                  "--results", str(root / "results"), "--", *tiny, cwd=root)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [path] = (root / "results").glob("retrofit_study_*_default__no-kl.json")
     record = json.loads(path.read_text())
-    assert record["gpus"] == ["0", "1"] and set(record["runs"]) == {"default", "no-kl"}
-    assert {run["gpu"] for run in record["runs"].values()} == {"0", "1"}
+    assert record["gpus"] == gpus.split(",") and set(record["runs"]) == {"default", "no-kl"}
+    assert sorted(run["gpu"] for run in record["runs"].values()) == sorted(gpus.split(","))
+    assert "no-kl: GPU 0" in done.stdout or "no-kl: GPU 1" in done.stdout
+    assert "the samples of default" in done.stdout
+    samples = [(root / "study" / name / "teacher_samples.npz").read_bytes() for name in ("default", "no-kl")]
+    assert samples[0] == samples[1]
     assert "--kl-weight" in record["runs"]["no-kl"]["options"]
     for name, run in record["runs"].items():
         assert run["summary"]["training"]["steps"] == 2
@@ -54,7 +59,12 @@ def test_the_table_gives_prose_worst_bands_inside_and_past_the_originals_context
     assert row[1:7] == ["10 (1.50 s)", "+3.0%", "71.0%", "+5.0%", "+0.100 nats", "+6.2%"]
 
 
-@pytest.mark.parametrize("gpus", ["0,0", "cuda:0"])
-def test_gpus_that_are_not_distinct_indices_are_refused(tmp_path, gpus):
+@pytest.mark.parametrize("gpus", ["cuda:0", "0,,1"])
+def test_gpus_that_are_not_indices_are_refused(tmp_path, gpus):
     done = study("--recipes", "default", "--gpus", gpus, cwd=tmp_path)
-    assert done.returncode == 2 and "--gpus: give distinct CUDA device indices" in done.stderr
+    assert done.returncode == 2 and "--gpus: give CUDA device indices" in done.stderr
+
+
+def test_samples_from_a_missing_file_is_refused(tmp_path):
+    done = study("--recipes", "default", "--samples-from", str(tmp_path / "none.npz"), cwd=tmp_path)
+    assert done.returncode == 2 and "--samples-from: no file" in done.stderr
