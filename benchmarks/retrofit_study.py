@@ -61,7 +61,9 @@ RECIPES = {
     "partial-rope-32k": ["--partial-rope", "32768"],
     "partial-rope-64k": ["--partial-rope", "65536"],
     "keep-rope": ["--keep-rope"],
-    # The slower pairs rotate up to the original's context and stop there, instead of not at all.
+    # Clamped slow pairs (they rotate up to the original's context and stop there) are the default since 2026-11-28
+    # (evening: the study's "clamp-slow-pairs" recipe then); "drop-slow-pairs" leaves them unrotated, as before.
+    "drop-slow-pairs": ["--slow-pairs", "drop"],
     "clamp-slow-pairs": ["--slow-pairs", "clamp"],
     "clamp-slow-pairs-gate-bias-10": ["--slow-pairs", "clamp", "--gate-bias", "10"],
     # The gates' start with partial RoPE: decay times of about 8k and 22k tokens instead of 1,100.

@@ -197,10 +197,10 @@ def add_convert_commands(commands):
                            "source's context, max_position_embeddings) and drop it on the slower ones, whose angles "
                            "beyond the context were never trained: the converted model starts close to the source "
                            "(docs/retrofit.md)")
-    llama.add_argument("--slow-pairs", choices=("drop", "clamp"), default="drop",
-                       help="with --partial-rope, the pairs slower than TOKENS: drop their rotation, or clamp it, "
-                            "rotating them as the source does up to position TOKENS and no further, so that within "
-                            "TOKENS the model computes what the source does (default: %(default)s)")
+    llama.add_argument("--slow-pairs", choices=("clamp", "drop"), default=None,
+                       help="with --partial-rope, the pairs slower than TOKENS: clamp their rotation, rotating them "
+                            "as the source does up to position TOKENS and no further, so that within TOKENS the "
+                            "model computes what the source does (the default), or drop it")
     llama.add_argument("--gate-init", choices=GATE_INITS, default=DEFAULT_GATE_INIT,
                        help="how the new forget gates start (weights are zero either way): decay-spread gives the "
                             "heads of each layer decay times log-spaced over --decay-times; open gives every head "

@@ -48,7 +48,8 @@ class FoxConfig(PreTrainedConfig):
             What partial RoPE does with the slower pairs: `"drop"` leaves them unrotated; `"clamp"` rotates them
             with positions capped at `rope_max_wavelength`, so up to that position they turn as in the original
             and beyond it they stop, never reaching an angle (a distance up to `rope_max_wavelength`) the original
-            did not see.
+            did not see. Conversion writes `"clamp"` unless asked otherwise; the default stays `"drop"`, what
+            configs saved before this setting existed (without the key) computed.
         qk_norm (`bool`, defaults to `False`):
             Per-head RMSNorm of q and k (FoX Pro), with `qk_norm_eps`.
         use_output_gate (`bool`, defaults to `False`):

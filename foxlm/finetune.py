@@ -129,9 +129,10 @@ def build_parser(prog=None):
                       help=f"documents sampled at once ({machine_default('sample_batch_size')})")
     transfer = parser.add_argument_group(
         "conversion and attention transfer (stage 1; docs/retrofit.md)",
-        "RoPE: partial by default. The transfer (by default with --drop-rope only): each layer's forget gate, token "
-        "shift, output gate and a low-rank update of q_proj/k_proj learn to reproduce the original attention outputs, "
-        "on the original's hidden states; no backward through the model.")
+        "RoPE: partial by default, its slower pairs clamped at the original's context. The transfer (by default "
+        "with --drop-rope only): each layer's forget gate, token shift, output gate and a low-rank update of "
+        "q_proj/k_proj learn to reproduce the original attention outputs, on the original's hidden states; no "
+        "backward through the model.")
     rope = transfer.add_mutually_exclusive_group()
     rope.add_argument("--partial-rope", nargs="?", type=float, const=True, default=None, metavar="TOKENS",
                       help="the default: keep RoPE on the channel pairs whose wavelength is shorter than TOKENS "
@@ -144,11 +145,10 @@ def build_parser(prog=None):
                            "by default); the attention transfer then gives back what RoPE did")
     rope.add_argument("--keep-rope", action="store_true",
                       help="keep all of RoPE (the gates start nearly open, as with --partial-rope)")
-    transfer.add_argument("--slow-pairs", choices=("drop", "clamp"), default="drop",
-                          help="with --partial-rope, the channel pairs slower than its cut: drop their rotation, or "
-                               "clamp it (they rotate as in the original up to the cut's position and no further, so "
-                               "that within it the converted model computes what the original does; default: "
-                               "%(default)s)")
+    transfer.add_argument("--slow-pairs", choices=("clamp", "drop"), default=None,
+                          help="with --partial-rope, the channel pairs slower than its cut: clamp their rotation (the "
+                               "default: they rotate as in the original up to the cut's position and no further, so "
+                               "that within it the converted model computes what the original does), or drop it")
     transfer.add_argument("--gate-bias", type=float, default=None, metavar="B",
                           help="with RoPE kept, whole or in part: every forget gate starts at f = sigmoid(B), a "
                                "decay time of about e^B tokens; higher forgets far tokens more slowly (default: "
@@ -276,9 +276,11 @@ def check_args(parser, args):
                      "they start from decay times spread over the heads, which the attention transfer trains")
     if args.partial_rope or args.keep_rope:
         args.gate_bias = ROPE_GATE_BIAS if args.gate_bias is None else args.gate_bias
-    if args.slow_pairs != "drop" and not args.partial_rope:
+    if args.slow_pairs is not None and not args.partial_rope:
         parser.error("--slow-pairs says what --partial-rope does with the channel pairs slower than its cut; it does "
                      "not go with --drop-rope or --keep-rope")
+    if args.partial_rope:
+        args.slow_pairs = args.slow_pairs or "clamp"
     if not (args.kl_weight >= 0 and math.isfinite(args.kl_weight)):
         parser.error(f"--kl-weight must be 0 or a positive number, got {args.kl_weight}")
     if not (args.sample_temperature > 0 and math.isfinite(args.sample_temperature)):
@@ -544,6 +546,8 @@ def recorded_options(run_dir):
     options = json.loads(path.read_text()).get("options", {})
     if "model" in options and "partial_rope" not in options:  # recorded before partial RoPE: RoPE was dropped whole
         options.update(partial_rope=False, drop_rope=True, keep_rope=False)
+    if options.get("partial_rope") and "slow_pairs" not in options:  # recorded before --slow-pairs: dropped
+        options["slow_pairs"] = "drop"
     return options
 
 

@@ -130,7 +130,7 @@ def conversion_card(*, name, kind, source, config, dtype, tokenizer_saved, verif
                 "--gate-init decay-spread --decay-times {:g} {:g}".format(*options["decay_times"]))
         rope = (f" --partial-rope {config.rope_max_wavelength:g}" if config.rope_max_wavelength else
                 " --keep-rope" if config.use_rope else "")
-        rope += " --slow-pairs clamp" if config.rope_slow_pairs == "clamp" else ""
+        rope += " --slow-pairs drop" if config.rope_max_wavelength and config.rope_slow_pairs == "drop" else ""
         command = (f"foxlm convert llama {source} {name} {gate}" + rope
                    + (" --token-shift" if config.use_k_shift else "")
                    + (" --output-gate" if config.use_output_gate else ""))

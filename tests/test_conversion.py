@@ -92,9 +92,10 @@ def test_partial_rope_rotates_the_pairs_faster_than_the_context_only(tmp_path):
     # head_dim 8, theta 1e4: wavelengths 6.3, 63, 628 and 6283 tokens; a context of 100 keeps the first two rotating.
     llama = save_tiny(tmp_path / "llama", max_position_embeddings=100, head_dim=8)
     out = convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", dtype="fp32", partial_rope=True,
-                               gate_init="open", gate_bias=30.0)
+                               slow_pairs="drop", gate_init="open", gate_bias=30.0)
     fox = FoxForCausalLM.from_pretrained(out).eval()  # transformers recomputes the frequencies while loading
-    assert fox.config.rope_max_wavelength == 100
+    assert fox.config.rope_max_wavelength == 100 and fox.config.rope_slow_pairs == "drop"
+    assert "--slow-pairs drop" in (out / "README.md").read_text()
     for frequencies in (fox.model.rotary_emb.inv_freq, fox.model.rotary_emb.original_inv_freq):
         torch.testing.assert_close(frequencies, torch.tensor([1.0, 0.1, 0.0, 0.0]))
     ids = torch.randint(0, 97, (2, 80))
@@ -106,12 +107,13 @@ def test_partial_rope_rotates_the_pairs_faster_than_the_context_only(tmp_path):
         convert_llama_to_fox(tmp_path / "llama", tmp_path / "both", keep_rope=True, partial_rope=True)
 
 
-def test_clamped_slow_pairs_compute_what_the_source_does_up_to_the_cut_and_stop_turning_past_it(tmp_path):
+def test_clamped_slow_pairs_by_default_compute_what_the_source_does_up_to_the_cut_and_stop_turning_past_it(tmp_path):
     llama = save_tiny(tmp_path / "llama", max_position_embeddings=100, head_dim=8)
     out = convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", dtype="fp32", partial_rope=True,
-                               slow_pairs="clamp", gate_init="open", gate_bias=30.0)
+                               gate_init="open", gate_bias=30.0)
     fox = FoxForCausalLM.from_pretrained(out).eval()
-    assert fox.config.rope_slow_pairs == "clamp" and "--slow-pairs clamp" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert fox.config.rope_slow_pairs == "clamp" and "--partial-rope 100`" in card and "--slow-pairs" not in card
     torch.testing.assert_close(fox.model.rotary_emb.inv_freq, llama.model.rotary_emb.inv_freq)  # none dropped
     ids = torch.randint(0, 97, (2, 130))
     with torch.no_grad():
@@ -127,6 +129,12 @@ def test_clamped_slow_pairs_compute_what_the_source_does_up_to_the_cut_and_stop_
     torch.testing.assert_close(cos[0, :, fast], cos_llama[0, :, fast])
     with pytest.raises(ConversionError, match="it needs partial_rope"):
         convert_llama_to_fox(tmp_path / "llama", tmp_path / "keep", keep_rope=True, slow_pairs="clamp")
+    # The command line: clamped by default with --partial-rope, dropped when asked; --slow-pairs needs --partial-rope.
+    for name, options, expected in (("cli-clamp", [], "clamp"), ("cli-drop", ["--slow-pairs", "drop"], "drop")):
+        main(["convert", "llama", str(tmp_path / "llama"), str(tmp_path / name), "--partial-rope", *options])
+        assert json.loads((tmp_path / name / "config.json").read_text())["rope_slow_pairs"] == expected
+    with pytest.raises(SystemExit, match="it needs partial_rope"):
+        main(["convert", "llama", str(tmp_path / "llama"), str(tmp_path / "cli-none"), "--slow-pairs", "drop"])
 
 
 def test_default_conversion_drops_rope_and_adds_zero_weight_gates(tmp_path):

@@ -168,8 +168,14 @@ def test_resume_refuses_options_that_shape_training_other_than_the_runs(llama_an
     assert "--resume: continuing with the options the run was trained with" in adopted
     assert all(f"{option} {value}" in adopted for option, value in (
         ("--model", root / "llama"), ("--context", 128), ("--steps", 2), ("--lora-r", 4))), adopted
-    # A run recorded before partial RoPE existed dropped RoPE whole, and resumes so.
+    # A run recorded before --slow-pairs existed dropped the slow pairs, and resumes so.
     record = json.loads((run / "training_options.json").read_text())
+    assert record["options"].pop("slow_pairs") == "clamp"
+    (run / "training_options.json").write_text(json.dumps(record))
+    with pytest.raises(FolderPrepared):
+        foxlm(["finetune", "--output-dir", str(run), "--resume", "--skip-eval"])
+    assert "--slow-pairs drop" in capsys.readouterr().out
+    # A run recorded before partial RoPE existed dropped RoPE whole, and resumes so.
     for name in ("partial_rope", "drop_rope", "keep_rope"):
         del record["options"][name]
     (run / "training_options.json").write_text(json.dumps(record))
@@ -228,7 +234,7 @@ def test_a_killed_run_resumed_ends_bit_identical_to_an_uninterrupted_one(llama_a
     assert all(torch.equal(whole[key], resumed[key]) for key in whole)
 
 
-def test_partial_rope_by_default_keeps_the_rotation_below_the_originals_context_and_no_transfer(llama_and_corpus):
+def test_partial_rope_with_clamped_slow_pairs_by_default_and_no_transfer(llama_and_corpus):
     root = llama_and_corpus
     foxlm(["finetune", *finetune_args(root, "partial-rope", "--steps", "1", "--skip-eval", "--teacher-samples", "0")])
     run = root / "partial-rope"
@@ -238,11 +244,11 @@ def test_partial_rope_by_default_keeps_the_rotation_below_the_originals_context_
     assert "Attention transfer" not in (run / "converted" / "README.md").read_text()
     options = json.loads((run / "training_options.json").read_text())["options"]
     assert options["partial_rope"] is True and options["transfer_steps"] == 0 and options["gate_bias"] == 7.0
-    assert options["slow_pairs"] == "drop" and config["rope_slow_pairs"] == "drop"
-    foxlm(["finetune", *finetune_args(root, "clamped", "--slow-pairs", "clamp", "--steps", "1", "--skip-eval",
+    assert options["slow_pairs"] == "clamp" and config["rope_slow_pairs"] == "clamp"
+    foxlm(["finetune", *finetune_args(root, "dropped", "--slow-pairs", "drop", "--steps", "1", "--skip-eval",
                                       "--teacher-samples", "0")])
-    assert json.loads((root / "clamped" / "fine-tuned" / "config.json").read_text())["rope_slow_pairs"] == "clamp"
-    assert json.loads((root / "clamped" / "training_options.json").read_text())["options"]["slow_pairs"] == "clamp"
+    assert json.loads((root / "dropped" / "fine-tuned" / "config.json").read_text())["rope_slow_pairs"] == "drop"
+    assert json.loads((root / "dropped" / "training_options.json").read_text())["options"]["slow_pairs"] == "drop"
     # --gate-bias sets the gates' start with RoPE kept, and is recorded.
     foxlm(["finetune", *finetune_args(root, "gate-bias", "--keep-rope", "--gate-bias", "10", "--steps", "1",
                                       "--skip-eval", "--teacher-samples", "0")])
@@ -264,7 +270,7 @@ def test_bad_arguments_are_named_before_any_training(llama_and_corpus, capsys):
         foxlm(["finetune", *finetune_args(root, "drop-gates", "--drop-rope", "--gate-bias", "9")])
     assert "--gate-bias sets the gates' start with RoPE kept" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        foxlm(["finetune", *finetune_args(root, "keep-clamped", "--keep-rope", "--slow-pairs", "clamp")])
+        foxlm(["finetune", *finetune_args(root, "keep-dropped", "--keep-rope", "--slow-pairs", "drop")])
     assert "--slow-pairs says what --partial-rope does" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         foxlm(["finetune", *finetune_args(root, "inf-gates", "--gate-bias", "inf")])

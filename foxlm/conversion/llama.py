@@ -116,15 +116,15 @@ def load_source_config(source):
     return AutoConfig.from_pretrained(name_or_path, **kwargs)
 
 
-def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_pairs="drop",
+def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_pairs=None,
                           gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS, decay_times=DEFAULT_DECAY_TIMES,
                           token_shift=False, output_gate=False):
     """A FoxConfig with the source's sizes, a data-dependent forget gate, with `keep_rope` its RoPE, with
     `partial_rope` its RoPE on the channel pairs whose wavelength is shorter than `partial_rope` tokens only (True: the
-    source's context, `max_position_embeddings`; the slower pairs unrotated, or with `slow_pairs="clamp"` rotated up
-    to that position only: `FoxConfig.rope_slow_pairs`), with `token_shift` a key and value token shift (FoX Pro's) that
-    starts near no shift, and with `output_gate` FoX Pro's output gate (`fox_from_llama` makes it start as no
-    gate)."""
+    source's context, `max_position_embeddings`; the slower pairs rotated up to that position only, or with
+    `slow_pairs="drop"` unrotated: `FoxConfig.rope_slow_pairs`), with `token_shift` a key and value token shift (FoX
+    Pro's) that starts near no shift, and with `output_gate` FoX Pro's output gate (`fox_from_llama` makes it start as
+    no gate)."""
     check_gate_options(gate_init, gate_bias, decay_times)
     if keep_rope and partial_rope:
         raise ConversionError("keep_rope keeps all of RoPE and partial_rope part of it: give one.")
@@ -132,9 +132,9 @@ def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_p
             isinstance(partial_rope, (int, float)) and 0 < partial_rope < math.inf):
         raise ConversionError(f"partial_rope must be True (the source's context) or a wavelength in tokens, got "
                               f"{partial_rope!r}.")
-    if slow_pairs not in ("drop", "clamp"):
+    if slow_pairs not in (None, "drop", "clamp"):
         raise ConversionError(f"slow_pairs must be 'drop' or 'clamp', got {slow_pairs!r}.")
-    if slow_pairs != "drop" and not partial_rope:
+    if slow_pairs is not None and not partial_rope:
         raise ConversionError("slow_pairs says what partial RoPE does with the pairs slower than its cut: it needs "
                               "partial_rope.")
     fields = {name: getattr(config, name) for name in COPIED_FIELDS if getattr(config, name, None) is not None}
@@ -154,7 +154,7 @@ def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_p
         fields.update(use_rope=True, rope_parameters=dict(config.rope_parameters))
     if partial_rope:
         fields["rope_max_wavelength"] = float(config.max_position_embeddings if partial_rope is True else partial_rope)
-        fields["rope_slow_pairs"] = slow_pairs
+        fields["rope_slow_pairs"] = slow_pairs or "clamp"
     return FoxConfig(fgate_type="data_dependent", **fields)
 
 
@@ -205,7 +205,7 @@ def fox_from_llama(model, **options):
     return fox.eval()
 
 
-def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=False, slow_pairs="drop", dtype="auto",
+def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=False, slow_pairs=None, dtype="auto",
                          max_shard_size="5GB", force=False, gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS,
                          decay_times=DEFAULT_DECAY_TIMES, token_shift=False, output_gate=False, transfer_steps=0,
                          transfer_data=None, transfer_lr=DEFAULT_TRANSFER_LR, transfer_qk_rank=0, transfer_device=None):
@@ -213,7 +213,8 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=Fa
 
     RoPE is dropped, kept with `keep_rope`, or kept with `partial_rope` on the channel pairs whose wavelength is
     shorter than `partial_rope` tokens only (True: the source's context; docs/retrofit.md, "Partial RoPE"), the
-    slower pairs unrotated or, with `slow_pairs="clamp"`, rotated with positions capped at the cut.
+    slower pairs rotated with positions capped at the cut (`slow_pairs="clamp"`, the default) or unrotated
+    (`slow_pairs="drop"`).
     With `token_shift` the FoX model gets FoX Pro's key and value token shift, starting near no shift; it gives back
     some of the position information RoPE carried (the previous token's key and value), and the transfer trains it.
     With `output_gate` it gets FoX Pro's output gate, starting as no gate (`fox_from_llama`), also trained by the
