@@ -250,7 +250,7 @@ def check_args(parser, args):
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = on_gpu
     # Context parallelism (under torchrun) splits one block per pass and runs eagerly: there both stay off.
-    fast_path = on_gpu and (args.context_parallel or int(os.environ.get("WORLD_SIZE", "1"))) == 1
+    fast_path = on_gpu and (args.context_parallel or launched_processes()) == 1
     if args.micro_batch_size is None:
         args.micro_batch_size = max(1, min(GPU_MICRO_BATCH, args.tokens_per_step // args.context)) if fast_path else 1
     if args.compile is None:
@@ -312,12 +312,17 @@ def check_args(parser, args):
 RANK_ZERO_TIMEOUT = timedelta(hours=12)
 
 
+def launched_processes():
+    """How many processes the launch started: torchrun's WORLD_SIZE, 1 without torchrun."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 class Processes:
     """The processes of a launch: one, or torchrun's WORLD_SIZE. Work that must happen once (sampling, conversion,
     saving, evaluation) runs on rank 0 (`once`) while the others wait; fine-tuning runs on all of them."""
 
     def __init__(self, args):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.world = launched_processes()
         self.rank = int(os.environ.get("RANK", "0"))
         size = args.context_parallel = args.context_parallel or self.world
         launch = f"torchrun --nproc_per_node {size} -m foxlm.cli finetune ..."
