@@ -55,3 +55,21 @@ def test_default_configurations_keep_tensor_core_instructions_asynchronous_with_
         if pruned:
             # Register allocation moves main-loop lengths by a few percent either way.
             assert loops[kernel, head_dim, True] <= 1.1 * loops[kernel, head_dim, False], out
+
+
+def test_hopper_kernels_compile_for_sm_90_at_both_head_dims_with_gqa_under_the_installed_triton():
+    """The Gluon kernels need an H100 to run, but compile anywhere: this catches what a Triton release renames (3.7
+    replaced TMA's `async_copy_global_to_shared` by `async_load`, and `thread_barrier` by `barrier`) and layouts
+    that do not fit a head dim, before any device time."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([*SCRIPT, "--kernels", "hopper-fwd", "hopper-dkdv", "--head-dim", "64", "128", "--group",
+                          "4"], capture_output=True, text=True, env=env, timeout=900, check=True).stdout
+    rows = {}
+    for row in out.splitlines():
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        if cells[0].startswith("hopper-"):
+            rows[cells[0], int(cells[1])] = cells
+    assert sorted(rows) == [("hopper-dkdv", 64), ("hopper-dkdv", 128), ("hopper-fwd", 64), ("hopper-fwd", 128)], out
+    for cells in rows.values():
+        registers, shared = float(cells[6]), float(cells[8])
+        assert 0 < registers <= 255 and 0 < shared <= 227 and cells[10] == "no", out

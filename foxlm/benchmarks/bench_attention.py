@@ -1,9 +1,11 @@
 """Forgetting Attention speed: our Triton kernel vs PyTorch SDPA (cuDNN and flash backends, plain causal).
 
-One run on one GPU. bf16, B*T = 16k tokens, hidden 2048 (H = 2048 / D), D = 64 and 128, T = 2k..16k, plus a
-packed variable-length row and a GQA row. TFLOP/s count full causal FLOPs: forward 4*B*H*T^2*D/2, forward+backward
-3.5x that (the FlashAttention convention). Per-stage times of our kernel (forward, dK/dV, dQ) come from the
-profiler. Results go to benchmarks/results/attention_<device>_<date>.json and a table is printed.
+One run on one GPU. bf16, B*T = 16k tokens, hidden 2048 (H = 2048 / D), D = 64 and 128, T = 2k..16k, plus a packed
+variable-length row and GQA rows. On an H100/H200, where the Hopper (Gluon) kernels take a shape, the Triton kernels
+alone (as with FOXLM_GLUON=0) are timed beside them ("foxlm-triton-kernels"). TFLOP/s count full causal FLOPs:
+forward 4*B*H*T^2*D/2, forward+backward 3.5x that (the FlashAttention convention). Per-stage times of our kernel
+(forward, dK/dV, dQ) come from the profiler. Results go to benchmarks/results/attention_<device>_<date>.json and a
+table is printed.
 
 ACP rows (also alone with --acp-only, T = 16k): Adaptive Computation Pruning at eps = e^-10 on gates where 70% of
 the heads forget fast (logits ~ N(0, 1)) and 30% slowly (N(8, 1)), and on fully open gates (log f = 0, the
@@ -11,7 +13,7 @@ overhead case), with U measured from q and k per call ("U measured") or given ("
 from its QK-norm scales). Effective TFLOP/s still count the full causal FLOPs; the pruned fraction of the
 forward's (query, key) pairs sits beside each time.
 
-    python benchmarks/bench_attention.py [--quick] [--acp-only] [--out DIR]
+    python benchmarks/bench_attention.py [--quick] [--acp-only | --no-acp] [--out DIR]
 """
 
 import argparse
@@ -24,6 +26,7 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="only T = 4k and 16k")
     parser.add_argument("--no-reference", action="store_true", help="skip the reference path and accuracy check")
     parser.add_argument("--acp-only", action="store_true", help="only the ACP rows (T = 16k, D = 64 and 128)")
+    parser.add_argument("--no-acp", action="store_true", help="without the ACP rows")
     parser.add_argument("--out", default=RESULTS_DIR)
     return parser.parse_args(argv)
 
@@ -36,10 +39,11 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from foxlm.kernels import forgetting_attention  # noqa: E402
+from foxlm.kernels import dispatch, forgetting_attention  # noqa: E402
 from foxlm.kernels.acp import DEFAULT_PRUNE_EPS, acp_statistics, measured_score_bound  # noqa: E402
 
-STAGES = {"_fwd_kernel": "fwd", "_bwd_kv_kernel": "dkdv", "_bwd_q_kernel": "dq", "_bwd_preprocess": "delta"}
+STAGES = {"_fwd_kernel": "fwd", "_bwd_kv_kernel": "dkdv", "_hopper_dkdv_kernel": "dkdv", "_bwd_q_kernel": "dq",
+          "_bwd_preprocess": "delta"}  # "_fwd_kernel" also names the Hopper forward
 
 
 def causal_flops(B, H, T, D):
@@ -172,6 +176,22 @@ def print_acp_table(rows):
                   f"{r['fwd_bwd_tflops']:.0f} | {ratio} | {pruned} |")
 
 
+def hopper_applies(inputs, kwargs):
+    """Whether a Hopper kernel runs a pass of this call (`dispatch.hopper_shape` on an sm_90 GPU, FOXLM_GLUON not 0)."""
+    q, k = inputs[:2]
+    return (dispatch.HOPPER_KERNELS and torch.cuda.get_device_capability() == (9, 0)
+            and dispatch.hopper_shape(q, k, kwargs.get("cu_seqlens"), None))
+
+
+def triton_kernels_only(measurement):
+    """`measurement()` with the Hopper kernels off, as FOXLM_GLUON=0 runs: both paths timed in one process."""
+    saved, dispatch.HOPPER_KERNELS = dispatch.HOPPER_KERNELS, False
+    try:
+        return measurement()
+    finally:
+        dispatch.HOPPER_KERNELS = saved
+
+
 def measure(name, fn, inputs, grad_out, flops, kwargs=None):
     kwargs = kwargs or {}
     n_differentiated = 3 if name.startswith("sdpa") else 4  # SDPA has no gate
@@ -195,6 +215,9 @@ def main():
         flops = flops or causal_flops(B, Hq, T, D)
         entry = {"shape": label, "B": B, "T": T, "Hq": Hq, "Hkv": Hkv, "D": D, "results": []}
         entry["results"].append(measure("foxlm-triton", ours, inputs, grad_out, flops, kwargs))
+        if hopper_applies(inputs, kwargs or {}):
+            entry["results"].append(triton_kernels_only(
+                lambda: measure("foxlm-triton-kernels", ours, inputs, grad_out, flops, kwargs)))
         entry["stages_ms"] = stage_times(inputs, grad_out, kwargs or {})
         if kwargs is None:
             for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
@@ -222,7 +245,8 @@ def main():
                   kwargs={"cu_seqlens": cu_seqlens, "max_seqlen": max(lengths)},
                   flops=sum(causal_flops(1, 16, n, 128) for n in lengths))
         shape_row("GQA D128 T4k 16q/4kv", 4, 4096, 16, 4, 128, gqa=True)
-    acp = [acp_rows(D) for D in (64, 128)]
+        shape_row("GQA D64 T4k 32q/8kv", 4, 4096, 32, 8, 64, gqa=True)
+    acp = [] if args.no_acp else [acp_rows(D) for D in (64, 128)]
 
     record = new_record(dtype="bfloat16", flops="causal 4*B*H*T^2*D/2 forward, x3.5 forward+backward", rows=rows,
                         acp_rows=acp)
@@ -231,7 +255,8 @@ def main():
     print(f"\n{record['device']}, torch {torch.__version__}, triton {triton.__version__}; wrote {path}\n")
     if rows:
         print_table(rows)
-    print_acp_table(acp)
+    if acp:
+        print_acp_table(acp)
 
 
 def _result(entry, impl):
@@ -255,13 +280,13 @@ def _stage_tflops(stage, ms, flops):
 
 
 def print_table(rows):
-    header = ("| shape | ours fwd | ours fwd+bwd | cuDNN fwd | cuDNN fwd+bwd | flash fwd | flash fwd+bwd | ref fwd+bwd "
-              "| fwd+bwd / cuDNN |")
+    header = ("| shape | ours fwd | ours fwd+bwd | Triton kernels only fwd | Triton kernels only fwd+bwd | cuDNN fwd | "
+              "cuDNN fwd+bwd | flash fwd | flash fwd+bwd | ref fwd+bwd | fwd+bwd / cuDNN |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     for entry in rows:
         cells = [entry["shape"]]
-        for impl in ("foxlm-triton", "sdpa-cudnn", "sdpa-flash"):
+        for impl in ("foxlm-triton", "foxlm-triton-kernels", "sdpa-cudnn", "sdpa-flash"):
             r = _result(entry, impl)
             cells += [f"{r['fwd_tflops']:.0f}", f"{r['fwd_bwd_tflops']:.0f}"] if r else ["-", "-"]
         ref = _result(entry, "foxlm-reference")

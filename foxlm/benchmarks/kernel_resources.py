@@ -25,13 +25,16 @@ import tempfile
 # dims of attention_tuning's launch-configuration lists and the keys of KERNELS (both checked below).
 HEAD_DIMS = (64, 128, 256)
 KERNEL_NAMES = ("fwd", "dq", "dkdv")
+HOPPER_KERNEL_NAMES = ("hopper-fwd", "hopper-dkdv")  # attention_hopper.py's Gluon kernels: sm_90, one configuration
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90: H100/H200)")
     parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128], choices=HEAD_DIMS)
-    parser.add_argument("--kernels", nargs="+", default=list(KERNEL_NAMES), choices=KERNEL_NAMES)
+    parser.add_argument("--kernels", nargs="+", default=list(KERNEL_NAMES), choices=KERNEL_NAMES + HOPPER_KERNEL_NAMES,
+                        help="the Triton kernels (default), or the Hopper Gluon ones (head dims 64 and 128 only)")
+    parser.add_argument("--group", type=int, default=1, help="query heads per K/V head (GQA)")
     parser.add_argument("--prune", action="store_true", help="also the pruned (ACP) variant of every kernel")
     parser.add_argument("--first-only", action="store_true", help="only the first (default) configuration per list")
     parser.add_argument("--layout", choices=["dense", "packed", "padded"], default="dense",
@@ -55,8 +58,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import CUDABackend, get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+
 from foxlm.kernels import dispatch  # noqa: E402
-from foxlm.kernels.attention import attention_gate_scan, attention_triton, attention_tuning  # noqa: E402
+from foxlm.kernels.attention import attention_gate_scan, attention_hopper, attention_triton, attention_tuning  # noqa
 
 KERNELS = {  # name: (jit function, autotune table); `.fn` is the kernel inside its autotuner
     "fwd": (attention_triton.fwd.fn, attention_tuning.FWD_CONFIGS),
@@ -64,6 +69,7 @@ KERNELS = {  # name: (jit function, autotune table); `.fn` is the kernel inside 
     "dkdv": (attention_triton.bwd_kv.fn, attention_tuning.BWD_KV_CONFIGS),
 }
 assert tuple(KERNELS) == KERNEL_NAMES and tuple(sorted(attention_tuning.FWD_CONFIGS)) == HEAD_DIMS, "update the choices"
+HOPPER_KERNELS = {"hopper-fwd": "_hopper_fwd_kernel", "hopper-dkdv": "_hopper_dkdv_kernel"}
 # Pointer arguments that are not bf16 (q, k, v, o and their gradients are).
 POINTER_DTYPES = {"C": torch.float64, "C_SEG": torch.float32, "LSE": torch.float32, "DELTA": torch.float32,
                   "DELTA_CORRECTED": torch.float32, "DC": torch.float32, "BOUND": torch.float32,
@@ -100,7 +106,34 @@ def launch_arguments(fn, head_dim, seqlen=16384, hidden=2048, group=1):
     return values
 
 
-def compile_kernel(fn, constexprs, num_warps, num_stages, arch, arguments=None):
+def hopper_launch_arguments(fn, head_dim, group, seqlen=16384, hidden=2048):
+    """`launch_arguments` of a Hopper kernel: its q/k/v/dO operands are TMA descriptors (`attention_hopper._rows`), the
+    dK/dV outputs fp32 with GQA (each query head's share)."""
+    heads = hidden // head_dim
+    q = torch.empty(1, seqlen, heads, head_dim, dtype=torch.bfloat16)
+    kv = torch.empty(1, seqlen, heads // group, head_dim, dtype=torch.bfloat16)
+    values = launch_arguments(fn, head_dim, seqlen, hidden, group)
+    values.update(q_desc=attention_hopper._rows(q, 64), do_desc=attention_hopper._rows(q, 64),
+                  k_desc=attention_hopper._rows(kv, attention_hopper.HOPPER_TILE),
+                  v_desc=attention_hopper._rows(kv, attention_hopper.HOPPER_TILE), head_group=heads,
+                  T=seqlen, stride_ot=heads * head_dim, stride_dkt=heads * head_dim, stride_dvt=heads * head_dim)
+    if group > 1:
+        values.update(DK=torch.empty(16), DV=torch.empty(16))
+    return {name: values[name] for name in fn.arg_names if name in values}
+
+
+def compile_hopper_kernel(name, head_dim, group, prune, arch):
+    """Compile a Gluon kernel of attention_hopper.py for `arch` with the settings its launch uses."""
+    fn = getattr(attention_hopper, HOPPER_KERNELS[name])
+    launch = dict(attention_hopper.FWD_LAUNCH if name == "hopper-fwd" else attention_hopper.DKDV_LAUNCH)
+    constexprs = dict(HEAD_DIM=head_dim, PRUNE=prune, ORDERED=False, num_warps=launch.pop("num_warps"))
+    if "COUNT_PRUNED" in fn.arg_names:
+        constexprs["COUNT_PRUNED"] = False
+    return compile_kernel(fn, constexprs, constexprs["num_warps"], 1, arch,
+                          hopper_launch_arguments(fn, head_dim, group), source=GluonASTSource, **launch)
+
+
+def compile_kernel(fn, constexprs, num_warps, num_stages, arch, arguments=None, source=ASTSource, **options):
     """Compile `fn` for `arch` as the JIT would for `arguments` (default: `launch_arguments` at BLOCK_D)."""
     arguments = arguments or launch_arguments(fn, constexprs["BLOCK_D"])
     signature, attrs, constants = {}, {}, dict(constexprs)
@@ -114,10 +147,10 @@ def compile_kernel(fn, constexprs, num_warps, num_stages, arch, arguments=None):
             constants[name] = specialization
         elif isinstance(specialization, str):
             attrs[(i,)] = CUDABackend.parse_attr(specialization)
-    source = ASTSource(fn=fn, signature=signature, attrs=attrs,
-                       constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
+    source = source(fn=fn, signature=signature, attrs=attrs,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages, **options})
 
 
 def _cuobjdump(compiled, flag):
@@ -177,12 +210,23 @@ def main():
           "shared KB | main loop instructions (local loads+stores) | wgmma serialized |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.kernels:
+        if name in HOPPER_KERNEL_NAMES:
+            for head_dim in args.head_dim:
+                for prune in (False, True) if args.prune else (False,):
+                    compiled = compile_hopper_kernel(name, head_dim, args.group, prune, args.arch)
+                    usage, loop = resource_usage(compiled), main_loop(compiled)
+                    tile = "128 x 128" if name == "hopper-fwd" else "64 x 128"
+                    print(f"| {name} | {head_dim} | {tile} | {compiled.metadata.num_warps} | - | {prune} | "
+                          f"{usage['REG']} | {usage['STACK']} | {usage['SHARED'] / 1024:.0f} | "
+                          f"{'-' if loop is None else '%d (%d)' % loop} | "
+                          f"{wgmma_serialized(compiled, args.arch) or 'no'} |", flush=True)
+            continue
         fn, table = KERNELS[name]
         for head_dim in args.head_dim:
             configs = table[head_dim][:1] if args.first_only else table[head_dim]
             for config in configs:
                 for prune in (False, True) if args.prune else (False,):
-                    arguments = launch_arguments(fn, head_dim)
+                    arguments = launch_arguments(fn, head_dim, group=args.group)
                     # dK/dV programs walk (sequence, KV head) pairs: with a group of 1 as many as the query heads'.
                     arguments["head_group"] = attention_tuning.head_group(prune, 1, head_dim, arguments["num_heads"])
                     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, IS_VARLEN=args.layout == "packed",

@@ -13,9 +13,11 @@ except ImportError:  # no Triton (CPU-only torch builds, remote code on such mac
     triton = None
 
 LOG2E = 1.4426950408889634  # scores live in the exp2 domain: exp(x) = exp2(x * LOG2E)
-# The Hopper (Gluon) kernels' fixed shapes (`attention/attention_hopper.py`): head dim 128, and 128 positions per tile
-# (query rows per forward program, keys per dK/dV program, and the key-bias segment they read).
-HOPPER_HEAD_DIM = 128
+# The Hopper (Gluon) kernels' shapes (`attention/attention_hopper.py`): head dims 64 and 128, and 128 positions per
+# tile (query rows per forward program, keys per dK/dV program, and the key-bias segment they read). The forward runs
+# at head dim 128 only: at 64 the Triton forward was faster (benchmarks/NOTES_attention.md, 2026-11-28).
+HOPPER_HEAD_DIMS = (64, 128)
+HOPPER_FORWARD_HEAD_DIMS = (128,)
 HOPPER_TILE = 128
 
 

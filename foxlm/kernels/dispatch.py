@@ -2,7 +2,7 @@
 
 - Reference (pure PyTorch) or Triton, for every op: `runs_on_triton` ("auto" takes Triton for CUDA tensors it can run,
   the reference elsewhere; `backend="triton"` or `"reference"` forces one), `norms_on_triton` for ACP's U.
-- Triton or Hopper (Gluon) kernels for attention's forward and dK/dV pass: `runs_on_hopper`.
+- Triton or Hopper (Gluon) kernels for attention's forward and for its dK/dV pass: `runs_on_hopper`.
 - Pointer or TMA loads inside the Triton attention kernels: `use_tma`, `use_dq_bias_tma`.
 - Every autotune candidate or only the first: `autotune_candidates`.
 
@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from .common import HOPPER_HEAD_DIM, HOPPER_TILE, compute_capability
+from .common import HOPPER_FORWARD_HEAD_DIMS, HOPPER_HEAD_DIMS, HOPPER_TILE, compute_capability
 
 try:
     import triton
@@ -72,20 +72,23 @@ def norms_on_triton(x, has_triton):
 
 
 def hopper_shape(q, k, cu_seqlens, seq_start):
-    """Whether the Hopper kernels take these shapes: bf16, head dim 128, as many K/V heads as query heads,
-    equal-length unpadded sequences whose length is a multiple of 128 (queries and keys alike)."""
+    """Whether the Hopper kernels take these shapes: bf16, head dim 64 or 128, query heads a multiple of the K/V
+    heads (GQA), equal-length unpadded sequences whose length is a multiple of 128 (queries and keys alike)."""
     B, Tq, Hq, D = q.shape
-    return (q.dtype == torch.bfloat16 and D == HOPPER_HEAD_DIM and k.shape[2] == Hq and k.shape[1] == Tq
+    return (q.dtype == torch.bfloat16 and D in HOPPER_HEAD_DIMS and Hq % k.shape[2] == 0 and k.shape[1] == Tq
             and Tq % HOPPER_TILE == 0 and Tq > 0 and cu_seqlens is None and seq_start is None)
 
 
-def runs_on_hopper(q, k, c, key_bias, cu_seqlens, seq_start):
-    """Whether the Hopper (Gluon) kernels run the forward and the dK/dV pass of this Triton call instead of the
-    Triton kernels (the dQ pass is always Triton's): on an sm_90 GPU (H100/H200), for `hopper_shape`, with c and the
-    key biases of `triton_gate_cumsum` contiguous, unless FOXLM_GLUON=0. A Triton without Gluon keeps the Triton
-    kernels (`attention_launch.py`)."""
+def runs_on_hopper(q, k, c, key_bias, cu_seqlens, seq_start, stage):
+    """Whether a Hopper (Gluon) kernel runs `stage` ("forward" or "dkdv") of this Triton call instead of the Triton
+    kernel (the dQ pass is always Triton's): on an sm_90 GPU (H100/H200), for `hopper_shape` (the forward at
+    HOPPER_FORWARD_HEAD_DIMS only), with c and the key biases of `triton_gate_cumsum` contiguous, unless
+    FOXLM_GLUON=0. A Triton without Gluon keeps the Triton kernels (`attention_launch.py`)."""
+    if stage not in ("forward", "dkdv"):
+        raise ValueError(f"stage must be 'forward' or 'dkdv', got {stage!r}")
     return (HOPPER_KERNELS and not INTERPRET and q.is_cuda and c.is_contiguous() and key_bias.is_contiguous()
-            and compute_capability(q.device.index) == (9, 0) and hopper_shape(q, k, cu_seqlens, seq_start))
+            and compute_capability(q.device.index) == (9, 0) and hopper_shape(q, k, cu_seqlens, seq_start)
+            and (stage == "dkdv" or q.shape[-1] in HOPPER_FORWARD_HEAD_DIMS))
 
 
 def use_tma(*tensors):

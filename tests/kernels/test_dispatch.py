@@ -16,12 +16,16 @@ def qk(T=256, H=4, Hkv=None, D=128, dtype=torch.bfloat16, Tk=None):
     return torch.empty(2, T, H, D, dtype=dtype), torch.empty(2, Tk or T, Hkv or H, D, dtype=dtype)
 
 
-def test_scope_is_bf16_head_dim_128_no_gqa_equal_unpadded_lengths_in_128_blocks():
+def test_scope_is_bf16_head_dims_64_and_128_with_or_without_gqa_equal_unpadded_lengths_in_128_blocks():
     assert dispatch.hopper_shape(*qk(), None, None)
     assert dispatch.hopper_shape(*qk(T=384), None, None)
-    assert not dispatch.hopper_shape(*qk(Hkv=2), None, None)  # GQA
+    assert dispatch.hopper_shape(*qk(Hkv=2), None, None)  # GQA
+    assert dispatch.hopper_shape(*qk(Hkv=1, D=64), None, None)  # multi-query
+    assert not dispatch.hopper_shape(*qk(H=4, Hkv=3), None, None)
     assert not dispatch.hopper_shape(*qk(T=200), None, None)
-    assert not dispatch.hopper_shape(*qk(D=64), None, None)
+    assert dispatch.hopper_shape(*qk(D=64), None, None)
+    assert not dispatch.hopper_shape(*qk(D=32), None, None)
+    assert not dispatch.hopper_shape(*qk(D=256), None, None)
     assert not dispatch.hopper_shape(*qk(dtype=torch.float16), None, None)
     assert not dispatch.hopper_shape(*qk(Tk=512), None, None)  # queries against a longer cache
     assert not dispatch.hopper_shape(*qk(), torch.tensor([0, 128, 256]), None)  # packed
@@ -32,8 +36,11 @@ def test_cpu_tensors_never_reach_them():
     attention_launch = pytest.importorskip("foxlm.kernels.attention.attention_launch")
     q, k = qk()
     c, key_bias = torch.zeros(2, 4, 256, dtype=torch.float64), torch.zeros(2, 4, 256)
-    assert not attention_launch._runs_on_hopper(q, k, c, key_bias, None, None)
-    assert not dispatch.runs_on_hopper(q, k, c, key_bias, None, None)
+    for stage in ("forward", "dkdv"):
+        assert not attention_launch._runs_on_hopper(q, k, c, key_bias, None, None, stage)
+        assert not dispatch.runs_on_hopper(q, k, c, key_bias, None, None, stage)
+    with pytest.raises(ValueError, match="stage must be 'forward' or 'dkdv'"):
+        dispatch.runs_on_hopper(q, k, c, key_bias, None, None, "dq")
 
 
 def test_foxlm_gluon_0_switches_them_off(monkeypatch):

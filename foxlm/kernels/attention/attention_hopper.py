@@ -18,8 +18,10 @@ through a two-slot TMA ring, S^T and dP^T issued together, P^T and dS^T fed from
 the diagonal's query blocks apart from the rest. Neither issues float64 arithmetic while its products are in flight:
 there it waited for them (Nsight Compute, notes).
 
-Scope (`dispatch.hopper_shape`): bf16, head dim 128, as many K/V heads as query heads, equal-length unpadded
-sequences whose length is a multiple of 128 (queries and keys alike).
+Scope (`dispatch.hopper_shape`): bf16, head dim 64 or 128, as many K/V heads as query heads or fewer (GQA: the
+forward reads each query head's K/V head in place; the dK/dV pass writes each query head's share in fp32 and the host
+sums each group), equal-length unpadded sequences whose length is a multiple of 128 (queries and keys alike).
+`dispatch.runs_on_hopper` takes the forward at head dim 128 only: at 64 the Triton forward was faster.
 """
 
 import torch
@@ -32,6 +34,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..acp import compute_acp_delta
 from ..common import HOPPER_TILE
 
+# Names that later Tritons changed (3.6, the oldest supported, has the second of each): TMA's global-to-shared copy
+# and the barrier of a CTA's threads.
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+_thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+# Launch settings (also `foxlm bench kernel-resources --kernels hopper-fwd hopper-dkdv`): the forward's consumer
+# warpgroups get the registers the producer warp does not need.
+FWD_LAUNCH = dict(num_warps=4, maxnreg=168)
+DKDV_LAUNCH = dict(num_warps=8)
 WG_ROWS = gl.constexpr(64)  # query rows per forward consumer warpgroup
 BLOCK_M_BWD = 64  # query rows per dK/dV iteration
 SEARCH_WIDTH = gl.constexpr(32)
@@ -139,7 +149,7 @@ def _fwd_step(it, j0, wg: gl.constexpr, q, k_smem, v_smem, kb_smem, k_ready, k_e
 
 @gluon.jit
 def _fwd_producer(k_desc, v_desc, k_smem, v_smem, kb_smem, k_ready, k_empty, v_ready, v_empty, C_row, C_SEG_row,
-                  anchor, row0, col0, j0, n_iter):
+                  anchor, row0, kv_col0, j0, n_iter):
     keys: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
     for it in range(n_iter):
         slot = it % 2
@@ -153,26 +163,28 @@ def _fwd_producer(k_desc, v_desc, k_smem, v_smem, kb_smem, k_ready, k_empty, v_r
         shift = ((gl.load(C_row + start_n) - anchor) * 1.4426950408889634).to(gl.float32)
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
         kb_smem.index(slot).store(segment + shift)
-        gl.thread_barrier()
+        _thread_barrier()
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row0 + start_n, col0], k_ready.index(slot), k_smem.index(slot))
+        _tma_load(k_desc, [row0 + start_n, kv_col0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row0 + start_n, col0], v_ready.index(slot), v_smem.index(slot))
+        _tma_load(v_desc, [row0 + start_n, kv_col0], v_ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
 def _fwd_consumer(wg: gl.constexpr, q_smem, k_smem, v_smem, kb_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                  O, LSE, C_row, anchor, row0, col0, lse_row, start_m, j0, n_iter, stride_ot, qk_scale):
+                  O, LSE, C_row, anchor, row0, col0, lse_row, start_m, j0, n_iter, stride_ot, qk_scale,
+                  HEAD_DIM: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
-    o_layout: gl.constexpr = s_layout  # S (64 x 128 keys) and O (64 x head dim 128) share one layout
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])  # O: 64 x head dim
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     my_start = start_m + wg * WG_ROWS
     offs_m = my_start + gl.arange(0, WG_ROWS, layout=row_s)
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.full([WG_ROWS], 0.0, gl.float32, layout=row_s)
-    acc = gl.zeros([WG_ROWS, 128], gl.float32, layout=o_layout)
+    acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     p_op = gl.zeros([WG_ROWS, 128], gl.bfloat16, layout=p_layout)
     q = q_smem.index(wg)
     mbarrier.wait(q_bar, 0)
@@ -195,7 +207,7 @@ def _fwd_consumer(wg: gl.constexpr, q_smem, k_smem, v_smem, kb_smem, q_bar, k_re
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc = acc / gl.convert_layout(l_i, row_o)[:, None]
     offs_mo = my_start + gl.arange(0, WG_ROWS, layout=row_o)
-    offs_d = gl.arange(0, 128, layout=gl.SliceLayout(0, o_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     gl.store(O + (row0 + offs_mo).to(gl.int64)[:, None] * stride_ot + col0 + offs_d[None, :], acc.to(gl.bfloat16))
     q_bias = ((gl.load(C_row + offs_m) - anchor) * 1.4426950408889634).to(gl.float32)
     gl.store(LSE + lse_row + offs_m, m_i + gl.log2(l_i) + q_bias)
@@ -203,21 +215,23 @@ def _fwd_consumer(wg: gl.constexpr, q_smem, k_smem, v_smem, kb_smem, q_bar, k_re
 
 @gluon.jit
 def _hopper_fwd_kernel(q_desc, k_desc, v_desc, C, C_SEG, O, LSE, BOUND, ROW_ORDER, PRUNED, stride_ub, stride_uh, T,
-                       num_heads, head_group, stride_ot, qk_scale, log_eps, PRUNE: gl.constexpr,
-                       ORDERED: gl.constexpr, COUNT_PRUNED: gl.constexpr, num_warps: gl.constexpr):
+                       num_heads, group, head_group, stride_ot, qk_scale, log_eps, HEAD_DIM: gl.constexpr,
+                       PRUNE: gl.constexpr, ORDERED: gl.constexpr, COUNT_PRUNED: gl.constexpr,
+                       num_warps: gl.constexpr):
     n_m = T // 128
     bh, rank = _heaviest_first(gl.program_id(0), n_m, head_group, ROW_ORDER, ORDERED)
     start_m = (n_m - 1 - rank) * 128  # the longest causal rows first
     b = bh // num_heads
     h = bh % num_heads
     row0 = b * T
-    col0 = h * 128
+    col0 = h * HEAD_DIM
+    kv_col0 = h // group * HEAD_DIM  # GQA: the query head's key-value head
     lse_row = bh.to(gl.int64) * T
     C_row = C + lse_row
     C_SEG_row = C_SEG + lse_row
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, WG_ROWS, 128], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, 128, 128], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, 128, 128], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, WG_ROWS, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, 128, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, 128, HEAD_DIM], v_desc.layout)
     kb_smem = gl.allocate_shared_memory(gl.float32, [2, 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -235,8 +249,8 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, C, C_SEG, O, LSE, BOUND, ROW_ORDE
     fence_async_shared()
     # Q loads while the pruning search runs.
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row0 + start_m, col0], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [row0 + start_m + WG_ROWS, col0], q_bar, q_smem.index(1))
+    _tma_load(q_desc, [row0 + start_m, col0], q_bar, q_smem.index(0))
+    _tma_load(q_desc, [row0 + start_m + WG_ROWS, col0], q_bar, q_smem.index(1))
     anchor = gl.load(C_row + start_m)
     j0 = start_m * 0
     if PRUNE:
@@ -251,25 +265,27 @@ def _hopper_fwd_kernel(q_desc, k_desc, v_desc, C, C_SEG, O, LSE, BOUND, ROW_ORDE
         gl.store(rows + 1, offs + 1)
     gl.warp_specialize([
         (_fwd_consumer, (0, q_smem, k_smem, v_smem, kb_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
-                         C_row, anchor, row0, col0, lse_row, start_m, j0, n_iter, stride_ot, qk_scale)),
+                         C_row, anchor, row0, col0, lse_row, start_m, j0, n_iter, stride_ot, qk_scale, HEAD_DIM)),
         (_fwd_consumer, (1, q_smem, k_smem, v_smem, kb_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, O, LSE,
-                         C_row, anchor, row0, col0, lse_row, start_m, j0, n_iter, stride_ot, qk_scale)),
+                         C_row, anchor, row0, col0, lse_row, start_m, j0, n_iter, stride_ot, qk_scale, HEAD_DIM)),
         (_fwd_producer, (k_desc, v_desc, k_smem, v_smem, kb_smem, k_ready, k_empty, v_ready, v_empty, C_row,
-                         C_SEG_row, anchor, row0, col0, j0, n_iter)),
+                         C_SEG_row, anchor, row0, kv_col0, j0, n_iter)),
     ], [4, 1], [240, 24])
 
 
 def hopper_forward(q, k, v, c, key_bias, out, lse, sm_scale, bound, log_eps, prune, head_group, row_order, ordered,
                    pruned_counts=None):
-    """Fills out (B, T, H, D), lse (B, H, T) and pruned_counts (if given) as `triton_attention_forward` does;
-    c and key_bias (B, H, T) contiguous; programs in the order of row_order (`acp.row_order`) if `ordered`."""
-    B, T, H, _ = q.shape
+    """Fills out (B, T, H, D), lse (B, H, T) and pruned_counts (if given) as `triton_attention_forward` does, for
+    k and v of H or H / group heads (GQA); c and key_bias (B, H, T) contiguous; programs in the order of row_order
+    (`acp.row_order`) if `ordered`."""
+    B, T, H, D = q.shape
     grid = (T // HOPPER_TILE * B * H,)
     counts = q.new_empty((1,), dtype=torch.int32) if pruned_counts is None else pruned_counts
     _hopper_fwd_kernel[grid](_rows(q, 64), _rows(k, HOPPER_TILE), _rows(v, HOPPER_TILE), c, key_bias, out, lse,
-                             bound, row_order, counts, *bound.stride(), T, H, head_group, out.stride(1),
-                             sm_scale * 1.4426950408889634, log_eps, PRUNE=prune, ORDERED=ordered,
-                             COUNT_PRUNED=pruned_counts is not None, num_warps=4, maxnreg=168)
+                             bound, row_order, counts, *bound.stride(), T, H, H // k.shape[2], head_group,
+                             out.stride(1), sm_scale * 1.4426950408889634, log_eps, HEAD_DIM=D, PRUNE=prune,
+                             ORDERED=ordered,
+                             COUNT_PRUNED=pruned_counts is not None, **FWD_LAUNCH)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -312,12 +328,12 @@ def _kv_step(it, dk, dv, dc, q_desc, do_desc, q_smem, do_smem, k_smem, v_smem, q
     # The next block's float64 shift here, with no product in flight and the barrier below keeping it there: issued
     # while products ran, it waited for them on its pipe (stall samples, Nsight Compute on an H100: notes).
     shift = ((c_seg - anchor) * 1.4426950408889634).to(gl.float32)
-    gl.thread_barrier()  # both warpgroups are done with this slot: refill it with query block it + 2
+    _thread_barrier()  # both warpgroups are done with this slot: refill it with query block it + 2
     if it + 2 < n_iter:
         mbarrier.expect(q_bar.index(slot), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row0 + start_m + 128, col0], q_bar.index(slot), q_smem.index(slot))
+        _tma_load(q_desc, [row0 + start_m + 128, col0], q_bar.index(slot), q_smem.index(slot))
         mbarrier.expect(do_bar.index(slot), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [row0 + start_m + 128, col0], do_bar.index(slot),
+        _tma_load(do_desc, [row0 + start_m + 128, col0], do_bar.index(slot),
                                         do_smem.index(slot))
     return dk, dv, dc, shift, q_bias, delta_in
 
@@ -331,13 +347,15 @@ def _kv_vectors(C_row, Q_BIAS_row, DELTA_row, start_m, layout: gl.constexpr):
 
 @gluon.jit
 def _hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, C, Q_BIAS, DELTA, DK, DV, DC, BOUND, ROW_ORDER, stride_ub,
-                        stride_uh, T, num_heads, head_group, stride_dkt, stride_dvt, qk_scale, sm_scale, log_eps,
-                        PRUNE: gl.constexpr, ORDERED: gl.constexpr, num_warps: gl.constexpr):
-    # S^T, dP^T: (keys, queries); dK, dV: (keys, d); each warpgroup its 64 keys.
+                        stride_uh, T, num_heads, group, head_group, stride_dkt, stride_dvt, qk_scale, sm_scale, log_eps,
+                        HEAD_DIM: gl.constexpr, PRUNE: gl.constexpr, ORDERED: gl.constexpr,
+                        num_warps: gl.constexpr):
+    # S^T, dP^T: (keys, queries); dK, dV: (keys, d); each warpgroup its 64 keys. One query head per program: with
+    # GQA, dK and dV go to that query head's slot of (B, T, H, D) buffers that the host sums over each group.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, 64, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, 128, 16])
+                                                        instr_shape=[16, HEAD_DIM, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     keys_l: gl.constexpr = gl.SliceLayout(1, st_layout)
     n_n = T // 128
@@ -346,7 +364,8 @@ def _hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, C, Q_BIAS, DELTA, DK, D
     b = bh // num_heads
     h = bh % num_heads
     row0 = b * T
-    col0 = h * 128
+    col0 = h * HEAD_DIM
+    kv_col0 = h // group * HEAD_DIM
     vec_row = bh.to(gl.int64) * T
     C_row = C + vec_row
     anchor = gl.load(C_row + start_n)
@@ -359,10 +378,10 @@ def _hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, C, Q_BIAS, DELTA, DK, D
                          T)
     n_iter = (end - start_n) // 64
 
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [128, 128], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [128, 128], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 64, 128], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, 64, 128], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [128, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [128, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 64, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, 64, HEAD_DIM], do_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     do_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -372,20 +391,20 @@ def _hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, C, Q_BIAS, DELTA, DK, D
         mbarrier.init(do_bar.index(i), count=1)
     fence_async_shared()
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [row0 + start_n, col0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [row0 + start_n, col0], kv_bar, v_smem)
+    _tma_load(k_desc, [row0 + start_n, kv_col0], kv_bar, k_smem)
+    _tma_load(v_desc, [row0 + start_n, kv_col0], kv_bar, v_smem)
     for i in gl.static_range(2):
         if i < n_iter:
             mbarrier.expect(q_bar.index(i), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [row0 + start_n + i * 64, col0], q_bar.index(i), q_smem.index(i))
+            _tma_load(q_desc, [row0 + start_n + i * 64, col0], q_bar.index(i), q_smem.index(i))
             mbarrier.expect(do_bar.index(i), do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [row0 + start_n + i * 64, col0], do_bar.index(i),
+            _tma_load(do_desc, [row0 + start_n + i * 64, col0], do_bar.index(i),
                                             do_smem.index(i))
 
     offs_n = start_n + gl.arange(0, 128, layout=keys_l)
     k_bias = ((gl.load(C_row + offs_n) - anchor) * 1.4426950408889634).to(gl.float32)
-    dk = gl.zeros([128, 128], gl.float32, layout=kv_layout)
-    dv = gl.zeros([128, 128], gl.float32, layout=kv_layout)
+    dk = gl.zeros([128, HEAD_DIM], gl.float32, layout=kv_layout)
+    dv = gl.zeros([128, HEAD_DIM], gl.float32, layout=kv_layout)
     dc = gl.zeros([128], gl.float32, layout=keys_l)
     mbarrier.wait(kv_bar, 0)
     vec_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
@@ -403,10 +422,10 @@ def _hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, C, Q_BIAS, DELTA, DK, D
             DELTA + vec_row, row0, col0, start_n, n_iter, T, anchor, k_bias, offs_n, qk_scale, shift, q_bias, delta,
             False, st_layout, op_layout, num_warps)
     offs_kn = start_n + gl.arange(0, 128, layout=gl.SliceLayout(1, kv_layout))
-    offs_d = gl.arange(0, 128, layout=gl.SliceLayout(0, kv_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     rows = (row0 + offs_kn).to(gl.int64)[:, None]
-    gl.store(DK + rows * stride_dkt + col0 + offs_d[None, :], (dk * sm_scale).to(gl.bfloat16))
-    gl.store(DV + rows * stride_dvt + col0 + offs_d[None, :], dv.to(gl.bfloat16))
+    gl.store(DK + rows * stride_dkt + col0 + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty))
+    gl.store(DV + rows * stride_dvt + col0 + offs_d[None, :], dv.to(DV.dtype.element_ty))
     gl.store(DC + vec_row + offs_n, -dc)  # dL/dc_j = -sum_i dS_ij; with the corrected delta the row sums vanish
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(2):
@@ -416,15 +435,23 @@ def _hopper_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, C, Q_BIAS, DELTA, DK, D
 
 def hopper_dkdv(q, k, v, do, c, key_bias, lse, delta, dk, dv, dc, sm_scale, bound, log_eps, prune, head_group,
                 row_order, ordered):
-    """Fills dk, dv (B, T, H, D) and dc (B, H, T) as the Triton dK/dV pass does; delta corrected by the dQ pass."""
-    B, T, H, _ = q.shape
+    """Fills dk, dv (B, T, Hkv, D) and dc (B, H, T) as the Triton dK/dV pass does; delta corrected by the dQ pass.
+    With GQA (Hkv < H) each query head's share goes to fp32 buffers of H heads, summed here over each group."""
+    B, T, H, D = q.shape
+    group = H // k.shape[2]
     grid = (T // HOPPER_TILE * B * H,)
     # Query biases (c_t - c_s) log2(e) - lse_t in fp32 (s the segment start), one vector for the loop to read.
     q_bias = key_bias - lse
+    shares = (dk, dv) if group == 1 else (q.new_empty(B, T, H, D, dtype=torch.float32) for _ in range(2))
+    dk_out, dv_out = shares
     _hopper_dkdv_kernel[grid](_rows(q, BLOCK_M_BWD), _rows(k, HOPPER_TILE), _rows(v, HOPPER_TILE),
-                              _rows(do, BLOCK_M_BWD), c, q_bias, delta, dk, dv, dc, bound, row_order, *bound.stride(),
-                              T, H, head_group, dk.stride(1), dv.stride(1), sm_scale * 1.4426950408889634, sm_scale,
-                              log_eps, PRUNE=prune, ORDERED=ordered, num_warps=8)
+                              _rows(do, BLOCK_M_BWD), c, q_bias, delta, dk_out, dv_out, dc, bound, row_order,
+                              *bound.stride(), T, H, group, head_group, dk_out.stride(1), dv_out.stride(1),
+                              sm_scale * 1.4426950408889634, sm_scale, log_eps, HEAD_DIM=D, PRUNE=prune,
+                              ORDERED=ordered, **DKDV_LAUNCH)
+    if group > 1:
+        dk.copy_(dk_out.view(B, T, H // group, group, D).sum(3))
+        dv.copy_(dv_out.view(B, T, H // group, group, D).sum(3))
 
 
-__all__ = ["hopper_forward", "hopper_dkdv"]
+__all__ = ["hopper_forward", "hopper_dkdv", "FWD_LAUNCH", "DKDV_LAUNCH"]

@@ -2,7 +2,7 @@
 
 `triton_attention_forward` and `triton_attention_backward` take c and the key biases from the gate scan
 (`attention_gate_scan.py`), launch the kernels of `attention_triton.py` (or, where `dispatch.runs_on_hopper` picks them,
-the Hopper kernels of `attention_hopper.py` for the forward and the dK/dV pass) and return what the custom op of
+the Hopper kernels of `attention_hopper.py` for the forward or the dK/dV pass) and return what the custom op of
 `attention.py` needs. Launch settings shared by both passes come from `_launch_settings`.
 """
 
@@ -31,9 +31,9 @@ def _gluon_available():
     return True
 
 
-def _runs_on_hopper(q, k, c, key_bias, cu_seqlens, seq_start):
+def _runs_on_hopper(q, k, c, key_bias, cu_seqlens, seq_start, stage):
     """`dispatch.runs_on_hopper`, where this Triton has Gluon."""
-    return runs_on_hopper(q, k, c, key_bias, cu_seqlens, seq_start) and _gluon_available()
+    return runs_on_hopper(q, k, c, key_bias, cu_seqlens, seq_start, stage) and _gluon_available()
 
 
 def _launch_settings(q, k, c, cu_seqlens, max_seqlen, seq_start, prune_eps, score_bound):
@@ -87,7 +87,7 @@ def triton_attention_forward(q, k, v, c, key_bias, sm_scale, cu_seqlens=None, ma
     lse = torch.empty(B, Hq, Tq, device=q.device, dtype=torch.float32)
     if q.numel() == 0 or cfg["max_q"] == 0:
         return out.zero_(), lse.fill_(float("inf"))
-    if _runs_on_hopper(q, k, c, key_bias, cu_seqlens, seq_start):
+    if _runs_on_hopper(q, k, c, key_bias, cu_seqlens, seq_start, "forward"):
         from .attention_hopper import hopper_forward
 
         hopper_forward(q, k, v, c, key_bias, out, lse, sm_scale, cfg["bound"], cfg["log_eps"], prune_eps is not None,
@@ -142,8 +142,9 @@ def triton_attention_backward(do, q, k, v, out, lse, c, key_bias, sm_scale, cu_s
         BIAS_TMA=use_dq_bias_tma(prune_eps is not None, cfg["block_d"], cu_seqlens is not None) and use_tma(key_bias),
         **common,
     )
-    if _runs_on_hopper(q, k, c, key_bias, cu_seqlens, seq_start):  # the dK/dV pass only: the Triton dQ pass above was
-        from .attention_hopper import hopper_dkdv  # faster than a Gluon one (benchmarks/NOTES_attention.md)
+    # The dK/dV pass only: the Triton dQ pass above was faster than a Gluon one (benchmarks/NOTES_attention.md).
+    if _runs_on_hopper(q, k, c, key_bias, cu_seqlens, seq_start, "dkdv"):
+        from .attention_hopper import hopper_dkdv
 
         hopper_dkdv(q, k, v, do, c, key_bias, lse, delta_corrected, dk, dv, dc, sm_scale, cfg["bound"], cfg["log_eps"],
                     prune_eps is not None, cfg["head_group"], cfg["row_order"], cfg["ordered"])
