@@ -227,8 +227,9 @@ def main():
             for config in configs:
                 for prune in (False, True) if args.prune else (False,):
                     arguments = launch_arguments(fn, head_dim, group=args.group)
-                    # dK/dV programs walk (sequence, KV head) pairs: with a group of 1 as many as the query heads'.
-                    arguments["head_group"] = attention_tuning.head_group(prune, 1, head_dim, arguments["num_heads"])
+                    # As `_launch_settings` sets it; dK/dV programs walk (sequence, KV head) pairs, no more than that.
+                    arguments["head_group"] = attention_tuning.head_group(prune, args.group, head_dim,
+                                                                          arguments["num_heads"])
                     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, IS_VARLEN=args.layout == "packed",
                                       HAS_SEQ_START=args.layout == "padded",
                                       DOT_PRECISION="tf32", PRUNE=prune, SEARCH_WIDTH=attention_triton.SEARCH_WIDTH,
