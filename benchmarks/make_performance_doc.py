@@ -24,6 +24,9 @@ OUTPUT = ROOT / "docs" / "performance.md"
 SOURCES = {
     "attention": ("attention_NVIDIA_H200_20261127-1550.json",
                   "FOXLM_AUTOTUNE=0 python benchmarks/bench_attention.py --quick"),
+    # The same benchmark with the Triton kernels alone timed beside the dispatch (Hopper kernels where they apply).
+    "hopper": ("attention_NVIDIA_H200_20261129-0003.json",
+               "FOXLM_AUTOTUNE=0 python benchmarks/bench_attention.py --quick --no-reference --no-acp"),
     "acp": [
         ("attention_acp_NVIDIA_H100_80GB_HBM3_20261126-1352.json",
          "FOXLM_AUTOTUNE=0 python benchmarks/bench_attention.py --acp-only"),
@@ -138,17 +141,31 @@ def results_by_impl(row):
     return {result["impl"]: result for result in row["results"]}
 
 
-def attention_section():
-    name, command = SOURCES["attention"]
+def shape_cells(row):
+    """A bench_attention row's shape and its batch × heads (query/KV heads with GQA)."""
+    heads = f"{row['Hq']}" if row["Hq"] == row["Hkv"] else f"{row['Hq']}/{row['Hkv']}"
+    return [row["shape"], f"{row['B']} × {heads}"]
+
+
+def fwd_bwd_cell(result):
+    return f"{result['fwd_bwd_tflops']:.0f} ({result['fwd_bwd_ms']:.2f} ms)"
+
+
+def attention_rows(key):
+    """The result file of SOURCES[key] (a bench_attention run): its record, name and command, and each of its rows
+    with the row's results by implementation."""
+    name, command = SOURCES[key]
     record = load(name)
+    return record, name, command, [(row, results_by_impl(row)) for row in record["rows"]]
+
+
+def attention_section():
+    record, name, command, measured = attention_rows("attention")
     rows = []
-    for row in record["rows"]:
-        impls = results_by_impl(row)
+    for row, impls in measured:
         ours, cudnn, flash = impls["foxlm-triton"], impls.get("sdpa-cudnn"), impls.get("sdpa-flash")
-        heads = f"{row['Hq']}" if row["Hq"] == row["Hkv"] else f"{row['Hq']}/{row['Hkv']}"
         rows.append([
-            row["shape"], f"{row['B']} × {heads}", f"{ours['fwd_tflops']:.0f}",
-            f"{ours['fwd_bwd_tflops']:.0f} ({ours['fwd_bwd_ms']:.2f} ms)",
+            *shape_cells(row), f"{ours['fwd_tflops']:.0f}", fwd_bwd_cell(ours),
             f"{cudnn['fwd_bwd_tflops']:.0f}" if cudnn else "–", f"{flash['fwd_bwd_tflops']:.0f}" if flash else "–",
             f"{ours['fwd_bwd_ms'] and cudnn['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}" if cudnn else "–",
             f"{row['max_rel_err_vs_float64']:.1e}",
@@ -160,6 +177,26 @@ def attention_section():
         table(["shape", "batch × heads", "foxlm fwd TF/s", "foxlm fwd+bwd TF/s", "SDPA cuDNN fwd+bwd",
                "SDPA flash fwd+bwd", "fwd+bwd / cuDNN", "max rel. error vs float64"], rows),
         "On H100 and H200 the D128 rows' forward and dK/dV pass run on the Hopper (Gluon) kernels.",
+    ])
+
+
+def hopper_section():
+    record, name, command, measured = attention_rows("hopper")
+    rows = []
+    for row, impls in measured:
+        ours, triton_only, cudnn = impls["foxlm-triton"], impls.get("foxlm-triton-kernels"), impls.get("sdpa-cudnn")
+        if not (triton_only and cudnn):
+            continue
+        rows.append([*shape_cells(row), fwd_bwd_cell(ours), fwd_bwd_cell(triton_only),
+                     f"{triton_only['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}", f"{cudnn['fwd_bwd_tflops']:.0f}",
+                     f"{cudnn['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}"])
+    return "\n\n".join([
+        "### Hopper kernels against the Triton kernels alone",
+        "The same shapes with the Triton kernels alone timed beside the dispatch in one process (as `FOXLM_GLUON=0` "
+        "runs): on an H100 or H200 the Hopper (Gluon) kernels take the forward at head dim 128 and the dK/dV pass at "
+        "64 and 128, GQA included; the dQ pass is Triton's. " + provenance(record, name, command),
+        table(["shape", "batch × heads", "foxlm fwd+bwd TF/s", "Triton kernels only", "foxlm ÷ Triton",
+               "SDPA cuDNN fwd+bwd", "foxlm ÷ cuDNN"], rows),
     ])
 
 
@@ -463,15 +500,16 @@ def wrap(paragraph):
 
 
 def render():
-    sections = [HEADER.rstrip(), attention_section(), acp_section(), training_section(), decode_section(),
-                layer_ops_section(), fsdp_section(), conversion_section(), finetune_section()]
+    sections = [HEADER.rstrip(), attention_section(), hopper_section(), acp_section(), training_section(),
+                decode_section(), layer_ops_section(), fsdp_section(), conversion_section(), finetune_section()]
     paragraphs = "\n\n".join(sections).split("\n\n")
     return "\n\n".join(wrap(paragraph) for paragraph in paragraphs) + "\n"
 
 
 def cited_files():
     """Every result file the document is made from."""
-    names = [SOURCES["attention"][0], SOURCES["decode"][0], SOURCES["layer_ops"][0], SOURCES["static_generate"][0],
+    names = [SOURCES["attention"][0], SOURCES["hopper"][0], SOURCES["decode"][0], SOURCES["layer_ops"][0],
+             SOURCES["static_generate"][0],
              *(source[0] for source in SOURCES["decode_attention"] + SOURCES["serving"]),
              SOURCES["gate_init"], SOURCES["finetune"][0], *SOURCES["transfer"], *TRAINING]
     names += [name for name, _ in SOURCES["acp"] + SOURCES["fsdp"]]

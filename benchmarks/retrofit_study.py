@@ -71,6 +71,12 @@ RECIPES = {
     "gate-bias-10": ["--gate-bias", "10"],
     "kl-30": ["--kl-weight", "30"],
     "clamp-slow-pairs-kl-30": ["--slow-pairs", "clamp", "--kl-weight", "30"],
+    # Blocks of 32k with a higher KL weight (the KL covers a quarter of a 32k block's positions, half of a 16k one's),
+    # and with the files about one module kept together (a block holds text that refers back thousands of tokens).
+    "context-32k-kl-30": ["--context", "32768", "--micro-batch-size", "2", "--kl-weight", "30"],
+    "context-32k-group-related": ["--context", "32768", "--micro-batch-size", "2", "--group-related"],
+    "context-32k-kl-30-group-related": ["--context", "32768", "--micro-batch-size", "2", "--kl-weight", "30",
+                                        "--group-related"],
     # The GPU default is 4 blocks per pass, compiled: these were the default (before 2026-11-27) and its parts.
     "one-block-per-pass": ["--micro-batch-size", "1", "--no-compile"],
     "micro-batch-4": ["--micro-batch-size", "4", "--no-compile"],
@@ -83,7 +89,8 @@ def cached_documents():
     original, cache = finetune.load_documents, {}
 
     def load(args, tokenizer):
-        key = (args.text_files, args.dataset, args.eval_domains, args.corpus_dir)
+        key = (args.text_files, args.dataset, args.train_domains, args.group_related, args.eval_domains,
+               args.corpus_dir)
         if key not in cache:
             cache[key] = original(args, tokenizer)
         return cache[key]

@@ -330,10 +330,11 @@ def run_needle(args):
     import torch
 
     from foxlm.data import DOMAIN_ALIASES, DOMAINS
-    from foxlm.evaluation import load_causal_lm, needle_haystack, needle_in_a_haystack, needle_summary, plot_needle
-    from foxlm.evaluation import write_json
+    from foxlm.evaluation import NEEDLE_DEPTHS, load_causal_lm, needle_haystack, needle_in_a_haystack, needle_summary
+    from foxlm.evaluation import plot_needle, write_json
 
     json_path, png_path = eval_output_paths(args, "needle.json", "needle.png")
+    args.depths = args.depths or list(NEEDLE_DEPTHS)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_causal_lm(args.model, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
                                       device=device)
@@ -495,8 +496,9 @@ def add_eval_commands(commands):
     needle.add_argument("model", metavar="MODEL")
     needle.add_argument("--context-lengths", type=int_list, default=[1024, 2048, 4096, 8192],
                         help="comma-separated prompt lengths in tokens (default: 1024,2048,4096,8192)")
-    needle.add_argument("--depths", type=depth_list, default=[0.0, 0.25, 0.5, 0.75, 1.0],
-                        help="comma-separated needle depths, 0 = start of the haystack (default: 0,0.25,0.5,0.75,1)")
+    needle.add_argument("--depths", type=depth_list, default=None,
+                        help="comma-separated needle depths, 0 = start of the haystack (default: every tenth, "
+                             "0,0.1,...,1)")
     add_data_args(needle, num_docs=64, default="prose", several=False)
     needle.set_defaults(func=run_needle)
 

@@ -14,7 +14,8 @@ named by the `corpus_dir` argument or the FOXLM_CORPUS_DIR environment variable.
 
 Files are split into training and held-out sets by a hash of their path relative to their corpus's root, so the
 split is the same on every machine and held-out files are never trained on. The default training text mixes the
-training files of code and docs, shuffled with a fixed seed: packed blocks hold both domains.
+training files of code and docs, shuffled with a fixed seed: packed blocks hold both domains (optionally with the
+files about one module kept together: `training_texts(group_related=True)`).
 """
 
 import functools
@@ -323,12 +324,36 @@ def domain_texts(domain, held_out, corpus_dir=None, eval_percent=EVAL_PERCENT):
             for text in corpus_split(corpus, corpus_dir, eval_percent)[held_out].values()]
 
 
-def training_texts(domains=TRAINING_DOMAINS, corpus_dir=None, seed=0, eval_percent=EVAL_PERCENT):
+def topic(corpus, path):
+    """What a file of a corpus is about, for `training_texts(group_related=True)`: the module of a standard-library
+    file ("json/decoder.py" and "json.py" -> "json"), the module or call a documentation or man page is named after
+    ("library/json.rst.txt", "library/asyncio-task.rst.txt" -> "asyncio", "man2/socket.2" -> "socket"), the folder of
+    a kernel documentation page."""
+    parts = Path(path).parts
+    if corpus == "kernel-docs" and len(parts) > 1:
+        return "/".join(parts[:-1])
+    name = parts[0] if corpus == "stdlib" else parts[-1]
+    return re.split(r"[.-]", name)[0]
+
+
+def training_texts(domains=TRAINING_DOMAINS, corpus_dir=None, seed=0, eval_percent=EVAL_PERCENT, group_related=False):
     """The default training text: every training file of `domains`, shuffled together with a fixed seed, so that
-    packed blocks mix the domains in proportion to their sizes."""
-    texts = [text for domain in domains for text in domain_texts(domain, False, corpus_dir, eval_percent)]
-    random.Random(seed).shuffle(texts)
-    return texts
+    packed blocks mix the domains in proportion to their sizes.
+
+    `group_related`: the files of one `topic` (a module's source, its documentation page and the man page of the
+    call it wraps) stay next to each other, the topics shuffled: a packed block then holds text that refers back
+    thousands of tokens, which short files packed at random do not."""
+    if not group_related:
+        texts = [text for domain in domains for text in domain_texts(domain, False, corpus_dir, eval_percent)]
+        random.Random(seed).shuffle(texts)
+        return texts
+    groups = {}
+    for corpus in [corpus for domain in domains for corpus in DOMAINS[domain_name(domain)]]:
+        for path, text in corpus_split(corpus, corpus_dir, eval_percent)[0].items():
+            groups.setdefault(topic(corpus, path), []).append(text)
+    order = list(groups.values())
+    random.Random(seed).shuffle(order)
+    return [text for group in order for text in group]
 
 
 def text_files(pattern):

@@ -338,6 +338,8 @@ def format_report(report, reference=None):
 
 NEEDLE_QUESTION = "What is the best thing to do in San Francisco? Answer: The best thing to do in San Francisco is"
 NEEDLE_ANSWER = " eat a sandwich and sit in Dolores Park on a sunny day."
+# Eleven depths: a needle every tenth of the haystack, so a length's score moves in steps of 9%, not 20%.
+NEEDLE_DEPTHS = tuple(i / 10 for i in range(11))
 
 
 @torch.no_grad()

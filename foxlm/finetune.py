@@ -109,6 +109,10 @@ def build_parser(prog=None):
     data.add_argument("--train-domains", default=None, metavar="LIST",
                       help="comma-separated domains whose training files make the default data, of code, docs and "
                            "kernel (the Linux kernel's documentation: Debian's linux-doc) (default: code,docs)")
+    data.add_argument("--group-related", action=argparse.BooleanOptionalAction, default=False,
+                      help="with the default data: keep the files about one module together (its source, its "
+                           "documentation page, the man page of the call it wraps) so that training blocks hold text "
+                           "that refers back thousands of tokens (default: off, files shuffled one by one)")
     data.add_argument("--eval-domains", default=None, metavar="LIST",
                       help="comma-separated held-out domains to evaluate on, of code, docs, kernel, prose "
                            "(default: code, docs and prose with the default data; none besides your held-out files "
@@ -288,6 +292,9 @@ def check_args(parser, args):
     if args.distill_only and not args.kl_weight:
         parser.error("--distill-only trains on the KL term alone inside the original's context: it needs a "
                      "--kl-weight above 0")
+    if args.group_related and (args.text_files or args.dataset):
+        parser.error("--group-related groups the default corpora's files by module; it does not go with "
+                     "--text-files or --dataset")
     if args.train_domains is not None:
         from foxlm.data import DOMAINS, HELD_OUT_DOMAINS
 
@@ -420,7 +427,7 @@ def load_documents(args, tokenizer):
         train_texts, held_out["held-out"] = read_texts(train_paths), read_texts(eval_paths)
     else:
         train_domains = args.train_domains.split(",") if args.train_domains else TRAINING_DOMAINS
-        train_texts = training_texts(train_domains, corpus_dir=args.corpus_dir)
+        train_texts = training_texts(train_domains, corpus_dir=args.corpus_dir, group_related=args.group_related)
     domains = args.eval_domains.split(",") if args.eval_domains else [] if held_out else list(EVAL_DOMAINS)
     for domain in domains:
         held_out[domain] = domain_texts(domain, True, args.corpus_dir)
@@ -495,7 +502,8 @@ OPTIONS_FILE = "training_options.json"
 # (--max-minutes gives a resumed run a fresh budget by design, --save-steps), the stages run (--resume, --skip-eval,
 # --eval-only, --force) and evaluation's options. --steps may grow: training goes on to the new total, as Trainer's
 # max_steps allows (the cosine decay stretches to it); it may not shrink below what the run was started for.
-TRAINING_OPTIONS = ("model", "text_files", "dataset", "text_column", "train_domains", "teacher_samples",
+TRAINING_OPTIONS = ("model", "text_files", "dataset", "text_column", "train_domains", "group_related",
+                    "teacher_samples",
                     "sample_temperature", "sample_length", "partial_rope", "drop_rope", "keep_rope", "slow_pairs",
                     "gate_bias", "token_shift",
                     "output_gate", "transfer_steps", "transfer_qk_rank", "transfer_lr", "transfer_length",
@@ -520,6 +528,8 @@ def training_options(args, processes):
         options["train_domains"] = args.train_domains or ",".join(TRAINING_DOMAINS)
     if not args.dataset:
         del options["text_column"]
+    if args.text_files or args.dataset:
+        del options["group_related"]
     options["lr"] = args.lr or (FULL_LR if args.full else LORA_LR)
     unused = {"lora_r": args.full, "lora_modules": args.full, "sample_temperature": not args.teacher_samples,
               "sample_length": not args.teacher_samples, "teacher_context": not args.kl_weight,
@@ -553,6 +563,8 @@ def recorded_options(run_dir):
         options.update(partial_rope=False, drop_rope=True, keep_rope=False)
     if options.get("partial_rope") and "slow_pairs" not in options:  # recorded before --slow-pairs: dropped
         options["slow_pairs"] = "drop"
+    if "train_domains" in options and "group_related" not in options:  # recorded before --group-related: shuffled
+        options["group_related"] = False
     return options
 
 
@@ -819,10 +831,10 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
 
 def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device):
     """Needle-in-a-haystack accuracy by context length of the original and the fine-tuned model."""
-    from foxlm.evaluation import load_causal_lm, needle_in_a_haystack, needle_summary, write_json
+    from foxlm.evaluation import NEEDLE_DEPTHS, load_causal_lm, needle_in_a_haystack, needle_summary, write_json
 
     lengths = [2048 * 2**k for k in range(8) if 2048 * 2**k <= args.eval_length] or [args.eval_length]
-    depths = [0.0, 0.25, 0.5, 0.75, 1.0]
+    depths = list(NEEDLE_DEPTHS)
     domain = "prose" if "prose" in held_out else next(iter(held_out))
     haystack = [token for document in held_out[domain] for token in document]
     results = {}

@@ -152,19 +152,29 @@ def conversion_card(*, name, kind, source, config, dtype, tokenizer_saved, verif
     return card(f"FoX conversion of `{source}`", intro, sections, USE.format(folder=name))
 
 
-def fine_tuning_facts(converted_dir, trainer, args):
-    """What `foxlm finetune` did, for the cards of its adapter and fine-tuned folders: from the run's arguments, the
-    Trainer that ran and the conversion's card."""
+TRAINING_CORPORA = {"code": "code: the Python standard library's sources",
+                    "docs": "documentation: Python's and the Linux man pages",
+                    "kernel": "the Linux kernel's documentation"}
+
+
+def training_data(args):
+    """What `foxlm finetune` trained on, in words, from its arguments."""
     from .data import EVAL_PERCENT
 
     if args.dataset:
-        data = f"the `{args.dataset}` dataset (train split; the first {EVAL_PERCENT}% held out for evaluation)"
-    elif args.text_files:
-        data = (f"text files matching `{Path(args.text_files).name}` ({EVAL_PERCENT}% of them held out for "
+        return f"the `{args.dataset}` dataset (train split; the first {EVAL_PERCENT}% held out for evaluation)"
+    if args.text_files:
+        return (f"text files matching `{Path(args.text_files).name}` ({EVAL_PERCENT}% of them held out for "
                 "evaluation by a hash of their path)")
-    else:
-        data = ("code and documentation: the Python standard library's sources, Python's documentation and the Linux "
-                f"man pages ({EVAL_PERCENT}% of each corpus's files held out for evaluation by a hash of their path)")
+    domains = (getattr(args, "train_domains", None) or "code,docs").split(",")
+    grouped = ", the files about one module kept together" if getattr(args, "group_related", False) else ""
+    return ("; ".join(TRAINING_CORPORA[domain] for domain in domains)
+            + f" ({EVAL_PERCENT}% of each corpus's files held out for evaluation by a hash of their path){grouped}")
+
+
+def fine_tuning_facts(converted_dir, trainer, args):
+    """What `foxlm finetune` did, for the cards of its adapter and fine-tuned folders: from the run's arguments, the
+    Trainer that ran and the conversion's card."""
     kl_weight = getattr(args, "kl_weight", 0)
     objective = (f"next-token loss plus {kl_weight:g} x KL(original || FoX) of the next-token distributions at "
                  "positions inside the original's context" if kl_weight else "next-token loss")
@@ -180,8 +190,8 @@ def fine_tuning_facts(converted_dir, trainer, args):
         conversion=section_lines(conversion_text, "What changed"),
         conversion_checked=section_lines(conversion_text, "Checked before anything was written"),
         lora_r=None if args.full else trainer.model.peft_config["default"].r, steps=trainer.state.global_step,
-        tokens_per_step=tokens, context=args.context, lr=trainer.args.learning_rate, data=data, losses=losses,
-        objective=objective,
+        tokens_per_step=tokens, context=args.context, lr=trainer.args.learning_rate, data=training_data(args),
+        losses=losses, objective=objective,
     )
 
 

@@ -146,12 +146,12 @@ def test_eval_needle_writes_a_score_grid_and_heatmap(saved_models):
     assert (out / "needle.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_eval_needle_cuts_its_haystack_from_held_out_prose_by_default(saved_models):
+def test_eval_needle_cuts_its_haystack_from_held_out_prose_at_every_tenth_of_it_by_default(saved_models):
     out = saved_models / "needle-prose"
-    main(["eval", "needle", str(saved_models / "fox"), "--context-lengths", "300,600", "--depths", "0.5",
-          "--output-dir", str(out)])
+    main(["eval", "needle", str(saved_models / "fox"), "--context-lengths", "300,600", "--output-dir", str(out)])
     result = json.loads((out / "needle.json").read_text())
-    assert result["data"] == "prose" and np.array(result["scores"]).shape == (1, 2)
+    assert result["data"] == "prose" and np.array(result["scores"]).shape == (11, 2)
+    assert result["depths"] == [i / 10 for i in range(11)]
 
 
 def test_eval_per_token_loss_packs_documents_to_the_full_length(saved_models):

@@ -22,6 +22,7 @@ from foxlm.data import (
     held_out_documents,
     is_held_out,
     render_man_page,
+    topic,
     training_texts,
 )
 
@@ -70,6 +71,29 @@ def test_corpora_are_keyed_by_their_path_relative_to_the_corpus_root_and_split_b
     kernel = corpus_texts("kernel-docs")
     assert "Linux kernel coding style" in kernel["process/coding-style.rst"]  # read from the gzipped source
     assert not any(name.startswith("translations/") for name in kernel)
+
+
+def test_topics_name_the_module_a_file_implements_or_documents():
+    assert {topic("stdlib", "json/decoder.py"), topic("stdlib", "json/__init__.py"), topic("python-docs",
+            "library/json.rst.txt")} == {"json"}
+    assert topic("stdlib", "os.py") == topic("python-docs", "library/os.path.rst.txt") == "os"
+    assert topic("python-docs", "library/asyncio-task.rst.txt") == topic("stdlib", "asyncio/tasks.py") == "asyncio"
+    assert topic("man-pages", "man2/socket.2") == topic("stdlib", "socket.py") == "socket"
+    assert topic("kernel-docs", "filesystems/ext4/index.rst") == "filesystems/ext4"
+
+
+def test_grouped_training_text_keeps_a_modules_files_together_and_holds_the_same_files():
+    texts, grouped = training_texts(), training_texts(group_related=True)
+    assert digests(grouped) == digests(texts) and grouped == training_texts(group_related=True)
+    train = {corpus: corpus_split(corpus)[0] for corpus in ("stdlib", "python-docs", "man-pages")}
+    position = {text: i for i, text in enumerate(grouped)}
+    json_files = sorted(position[text] for corpus, files in train.items() for path, text in files.items()
+                        if topic(corpus, path) == "json")
+    assert len(json_files) >= 3 and json_files == list(range(json_files[0], json_files[0] + len(json_files)))
+    # The topics are shuffled: code and documentation still alternate along the stream.
+    code = set(digests(domain_texts("code", False)))
+    kinds = ["code" if digests([text])[0] in code else "docs" for text in grouped]
+    assert all(set(kinds[i : i + 200]) == {"code", "docs"} for i in range(0, len(kinds) - 200, 200))
 
 
 def test_the_kernel_documentation_trains_only_when_asked():

@@ -65,7 +65,7 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
     assert all(0 <= v["top1_agreement"] <= 1 for v in summary["vs_original"].values())
     assert set(summary["needle"]) == {"original (RoPE)", "converted, fine-tuned"}
     needle = json.loads((run / "needle.json").read_text())
-    assert needle["haystack"] == "prose" and all(len(m["answers"]) == 5 for m in needle["models"].values())
+    assert needle["haystack"] == "prose" and all(len(m["answers"]) == 11 for m in needle["models"].values())
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == f"plot: {run / 'evaluation.png'}"
     assert any(line.startswith("prose: fine-tuned vs original at positions < 128: loss ") for line in out)
@@ -288,16 +288,22 @@ def test_train_domains_choose_the_default_corpora_that_train(monkeypatch, capsys
 
     for arguments, message in ((["--train-domains", "code,prose"], "--train-domains: 'prose' is not a training "
                                 "domain; choose from code, docs, kernel (prose is never trained on)"),
-                               (["--train-domains", "code", "--text-files", "*.txt"], "does not go with --text-files")):
+                               (["--train-domains", "code", "--text-files", "*.txt"], "does not go with --text-files"),
+                               (["--group-related", "--dataset", "x"], "--group-related groups the default corpora")):
         with pytest.raises(SystemExit):
             finetune.parse_args(arguments)
         assert message in capsys.readouterr().err
     chosen = []
-    monkeypatch.setattr(data, "training_texts", lambda domains, corpus_dir=None: chosen.append(domains) or ["x"])
+    monkeypatch.setattr(data, "training_texts", lambda domains, corpus_dir=None, group_related=False:
+                        chosen.append((domains, group_related)) or ["x"])
     monkeypatch.setattr(data, "domain_texts", lambda domain, held_out, corpus_dir=None: ["y"])
-    for arguments, domains in (([], ("code", "docs")), (["--train-domains", "kernel,code"], ["kernel", "code"])):
-        finetune.load_documents(finetune.parse_args(["--eval-domains", "prose", *arguments]), byte_tokenizer())
-        assert list(chosen.pop()) == list(domains)
+    for arguments, domains, grouped in (([], ("code", "docs"), False),
+                                        (["--train-domains", "kernel,code"], ["kernel", "code"], False),
+                                        (["--group-related"], ("code", "docs"), True)):
+        args = finetune.parse_args(["--eval-domains", "prose", *arguments])
+        finetune.load_documents(args, byte_tokenizer())
+        assert [list(d) for d in chosen.pop()[:1]] == [list(domains)] and args.group_related == grouped
+        assert finetune.training_options(args, finetune.Processes(args))["group_related"] == grouped
 
 
 def test_the_example_script_takes_the_same_options():
@@ -318,3 +324,30 @@ def test_the_example_script_ends_a_failure_with_one_error_line(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'missing'} does not exist (and is not a Hub " \
                                                    "model id); check the path."
+
+
+def test_a_run_recorded_before_group_related_existed_resumes_with_its_files_shuffled_one_by_one(tmp_path):
+    from foxlm import finetune
+    from foxlm.evaluation import write_json
+
+    options = {"model": "m", "train_domains": "code,docs", "partial_rope": True, "slow_pairs": "clamp"}
+    write_json({"options": options}, tmp_path / finetune.OPTIONS_FILE)
+    assert finetune.recorded_options(tmp_path)["group_related"] is False
+    write_json({"options": {**options, "group_related": True}}, tmp_path / finetune.OPTIONS_FILE)
+    assert finetune.recorded_options(tmp_path)["group_related"] is True
+    write_json({"options": {"model": "m", "text_files": "/data/*.txt", "partial_rope": True, "slow_pairs": "clamp"}},
+               tmp_path / finetune.OPTIONS_FILE)
+    assert "group_related" not in finetune.recorded_options(tmp_path)  # it applies to the default corpora only
+
+
+def test_the_model_card_names_the_training_data_as_chosen():
+    from foxlm import finetune
+    from foxlm.model_card import training_data
+
+    default = training_data(finetune.parse_args([]))
+    assert default.startswith("code: the Python standard library's sources; documentation: Python's and the Linux")
+    assert "kernel" not in default and "kept together" not in default
+    chosen = training_data(finetune.parse_args(["--train-domains", "docs,kernel", "--group-related"]))
+    assert chosen.startswith("documentation: Python's and the Linux man pages; the Linux kernel's documentation (")
+    assert chosen.endswith(", the files about one module kept together")
+    assert "`notes.txt`" in training_data(finetune.parse_args(["--text-files", "data/notes.txt"]))
