@@ -32,6 +32,8 @@ SOURCES = {
          "FOXLM_AUTOTUNE=0 python benchmarks/bench_attention.py --acp-only"),
         ("attention_acp_NVIDIA_H200_20261124-0840.json", "python benchmarks/bench_attention.py --acp-only"),
         ("attention_NVIDIA_H200_20261127-1550.json", "FOXLM_AUTOTUNE=0 python benchmarks/bench_attention.py --quick"),
+        ("attention_acp_NVIDIA_H200_20261129-0042.json",
+         "FOXLM_AUTOTUNE=0 python benchmarks/bench_attention.py --acp-only"),
     ],
     # (file, command, the head dim whose rows it gives: each was measured with that head dim's launch defaults)
     "decode_attention": [
