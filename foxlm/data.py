@@ -343,14 +343,10 @@ def training_texts(domains=TRAINING_DOMAINS, corpus_dir=None, seed=0, eval_perce
     `group_related`: the files of one `topic` (a module's source, its documentation page and the man page of the
     call it wraps) stay next to each other, the topics shuffled: a packed block then holds text that refers back
     thousands of tokens, which short files packed at random do not."""
-    if not group_related:
-        texts = [text for domain in domains for text in domain_texts(domain, False, corpus_dir, eval_percent)]
-        random.Random(seed).shuffle(texts)
-        return texts
-    groups = {}
+    groups = {}  # without grouping, one group per file: the same shuffle of the files
     for corpus in [corpus for domain in domains for corpus in DOMAINS[domain_name(domain)]]:
         for path, text in corpus_split(corpus, corpus_dir, eval_percent)[0].items():
-            groups.setdefault(topic(corpus, path), []).append(text)
+            groups.setdefault(topic(corpus, path) if group_related else (corpus, path), []).append(text)
     order = list(groups.values())
     random.Random(seed).shuffle(order)
     return [text for group in order for text in group]

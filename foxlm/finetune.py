@@ -528,12 +528,11 @@ def training_options(args, processes):
         options["train_domains"] = args.train_domains or ",".join(TRAINING_DOMAINS)
     if not args.dataset:
         del options["text_column"]
-    if args.text_files or args.dataset:
-        del options["group_related"]
     options["lr"] = args.lr or (FULL_LR if args.full else LORA_LR)
     unused = {"lora_r": args.full, "lora_modules": args.full, "sample_temperature": not args.teacher_samples,
               "sample_length": not args.teacher_samples, "teacher_context": not args.kl_weight,
               "gate_bias": args.drop_rope, "slow_pairs": not args.partial_rope,
+              "group_related": bool(args.text_files or args.dataset),
               **dict.fromkeys(("transfer_qk_rank", "transfer_lr", "transfer_length", "transfer_batch_size"),
                               not args.transfer_steps)}
     return {name: value for name, value in options.items() if not unused.get(name)}

@@ -159,14 +159,14 @@ TRAINING_CORPORA = {"code": "code: the Python standard library's sources",
 
 def training_data(args):
     """What `foxlm finetune` trained on, in words, from its arguments."""
-    from .data import EVAL_PERCENT
+    from .data import EVAL_PERCENT, TRAINING_DOMAINS
 
     if args.dataset:
         return f"the `{args.dataset}` dataset (train split; the first {EVAL_PERCENT}% held out for evaluation)"
     if args.text_files:
         return (f"text files matching `{Path(args.text_files).name}` ({EVAL_PERCENT}% of them held out for "
                 "evaluation by a hash of their path)")
-    domains = (getattr(args, "train_domains", None) or "code,docs").split(",")
+    domains = args.train_domains.split(",") if getattr(args, "train_domains", None) else TRAINING_DOMAINS
     grouped = ", the files about one module kept together" if getattr(args, "group_related", False) else ""
     return ("; ".join(TRAINING_CORPORA[domain] for domain in domains)
             + f" ({EVAL_PERCENT}% of each corpus's files held out for evaluation by a hash of their path){grouped}")

@@ -302,7 +302,8 @@ def test_train_domains_choose_the_default_corpora_that_train(monkeypatch, capsys
                                         (["--group-related"], ("code", "docs"), True)):
         args = finetune.parse_args(["--eval-domains", "prose", *arguments])
         finetune.load_documents(args, byte_tokenizer())
-        assert [list(d) for d in chosen.pop()[:1]] == [list(domains)] and args.group_related == grouped
+        trained_domains, trained_grouped = chosen.pop()
+        assert list(trained_domains) == list(domains) and trained_grouped == args.group_related == grouped
         assert finetune.training_options(args, finetune.Processes(args))["group_related"] == grouped
 
 
