@@ -109,13 +109,16 @@ def run_demo(args):
 def run_convert_llama(args):
     from foxlm.conversion import convert_llama_to_fox
 
+    if (args.slow_pairs == "interpolate") != (args.interpolate_to is not None):
+        raise FoxlmError("--slow-pairs interpolate and --interpolate-to CONTEXT go together: the slow pairs turn "
+                         "CONTEXT / the cut times slower.")
     try:
         transfer = transfer_options(args) if args.transfer_steps else {}
     except FileNotFoundError as error:  # a corpus that is not installed
         raise FoxlmError(str(error)) from error
     output_dir = convert_llama_to_fox(
         args.source, args.output_dir, keep_rope=args.keep_rope, partial_rope=args.partial_rope,
-        slow_pairs=args.slow_pairs, dtype=args.dtype,
+        slow_pairs=args.slow_pairs, interpolate_to=args.interpolate_to, dtype=args.dtype,
         max_shard_size=args.max_shard_size, force=args.force, gate_init=args.gate_init, gate_bias=args.gate_bias,
         decay_times=tuple(args.decay_times), token_shift=args.token_shift, output_gate=args.output_gate, **transfer,
     )
@@ -197,10 +200,14 @@ def add_convert_commands(commands):
                            "source's context, max_position_embeddings) and drop it on the slower ones, whose angles "
                            "beyond the context were never trained: the converted model starts close to the source "
                            "(docs/retrofit.md)")
-    llama.add_argument("--slow-pairs", choices=("clamp", "drop"), default=None,
+    llama.add_argument("--slow-pairs", choices=("clamp", "drop", "interpolate"), default=None,
                        help="with --partial-rope, the pairs slower than TOKENS: clamp their rotation, rotating them "
                             "as the source does up to position TOKENS and no further, so that within TOKENS the "
-                            "model computes what the source does (the default), or drop it")
+                            "model computes what the source does (the default), drop it, or interpolate it: turn "
+                            "them as far over --interpolate-to tokens as the source did over TOKENS")
+    llama.add_argument("--interpolate-to", type=positive_float, default=None, metavar="CONTEXT",
+                       help="with --slow-pairs interpolate, the context the model is meant for, in tokens (above "
+                            "TOKENS): the slow pairs turn CONTEXT / TOKENS times slower")
     llama.add_argument("--gate-init", choices=GATE_INITS, default=DEFAULT_GATE_INIT,
                        help="how the new forget gates start (weights are zero either way): decay-spread gives the "
                             "heads of each layer decay times log-spaced over --decay-times; open gives every head "

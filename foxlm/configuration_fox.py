@@ -48,8 +48,14 @@ class FoxConfig(PreTrainedConfig):
             What partial RoPE does with the slower pairs: `"drop"` leaves them unrotated; `"clamp"` rotates them
             with positions capped at `rope_max_wavelength`, so up to that position they turn as in the original
             and beyond it they stop, never reaching an angle (a distance up to `rope_max_wavelength`) the original
-            did not see. Conversion writes `"clamp"` unless asked otherwise; the default stays `"drop"`, what
-            configs saved before this setting existed (without the key) computed.
+            did not see; `"interpolate"` divides their frequencies by `rope_slow_pairs_factor`, so that over
+            `factor` times the cut they turn as far as the original did over the cut (YaRN's "NTK-by-parts" with a
+            hard boundary and no temperature: the faster pairs keep their rotation exactly). Conversion writes
+            `"clamp"` unless asked otherwise; the default stays `"drop"`, what configs saved before this setting
+            existed (without the key) computed.
+        rope_slow_pairs_factor (`float`, *optional*):
+            With `rope_slow_pairs="interpolate"`, how many times slower the slow pairs turn (above 1): the context
+            the model is meant for over `rope_max_wavelength`.
         qk_norm (`bool`, defaults to `False`):
             Per-head RMSNorm of q and k (FoX Pro), with `qk_norm_eps`.
         use_output_gate (`bool`, defaults to `False`):
@@ -136,6 +142,7 @@ class FoxConfig(PreTrainedConfig):
     rope_parameters: RopeParameters | dict | None = None
     rope_max_wavelength: int | float | None = None
     rope_slow_pairs: str = "drop"
+    rope_slow_pairs_factor: int | float | None = None
     qk_norm: bool = False
     qk_norm_eps: int | float = 1e-5
     use_output_gate: bool = False
@@ -218,8 +225,17 @@ class FoxConfig(PreTrainedConfig):
             if "dynamic" in rope_type or rope_type == "longrope":
                 raise ValueError(f"`rope_max_wavelength` needs fixed RoPE frequencies; rope_type {rope_type!r} "
                                  "recomputes them with the sequence length.")
-        if self.rope_slow_pairs not in ("drop", "clamp"):
-            raise ValueError(f"`rope_slow_pairs` must be 'drop' or 'clamp', got {self.rope_slow_pairs!r}.")
+        if self.rope_slow_pairs not in ("drop", "clamp", "interpolate"):
+            raise ValueError(f"`rope_slow_pairs` must be 'drop', 'clamp' or 'interpolate', got "
+                             f"{self.rope_slow_pairs!r}.")
+        factor = self.rope_slow_pairs_factor
+        if self.rope_slow_pairs == "interpolate" and (isinstance(factor, bool) or not (
+                isinstance(factor, (int, float)) and 1 < factor < math.inf)):
+            raise ValueError(f"`rope_slow_pairs='interpolate'` needs `rope_slow_pairs_factor`, a number above 1 (how "
+                             f"many times slower the slow pairs turn), got {factor!r}.")
+        if self.rope_slow_pairs != "interpolate" and factor is not None:
+            raise ValueError(f"`rope_slow_pairs_factor` is for `rope_slow_pairs='interpolate'`, not "
+                             f"{self.rope_slow_pairs!r}.")
         if self.rope_slow_pairs != "drop" and self.rope_max_wavelength is None:
             raise ValueError("`rope_slow_pairs` says what partial RoPE does with the pairs slower than "
                              "`rope_max_wavelength`: it needs `rope_max_wavelength`.")

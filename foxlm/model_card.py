@@ -108,10 +108,12 @@ def conversion_changes(kind, config, options=None):
 
 def rope_change(config):
     if config.rope_max_wavelength:
-        clamped = config.rope_slow_pairs == "clamp"
         setting = f"`rope_max_wavelength={config.rope_max_wavelength:g}` tokens" + (
-            ', `rope_slow_pairs="clamp"`' if clamped else "")
-        slow = "rotate as in the source up to that position and stop there," if clamped else "are dropped"
+            f', `rope_slow_pairs="{config.rope_slow_pairs}"`' if config.rope_slow_pairs != "drop" else "") + (
+            f", `rope_slow_pairs_factor={config.rope_slow_pairs_factor:g}`" if config.rope_slow_pairs_factor else "")
+        slow = ("rotate as in the source up to that position and stop there," if config.rope_slow_pairs == "clamp" else
+                "are dropped" if config.rope_slow_pairs == "drop" else
+                f"turn {config.rope_slow_pairs_factor:g} times slower than in the source,")
         return (f"Partial RoPE ({setting}): the channel pairs whose wavelength is shorter keep their rotation, the "
                 f"slower ones {slow} and the forget gate gives the recency bias at long range.")
     if config.use_rope:
@@ -130,7 +132,10 @@ def conversion_card(*, name, kind, source, config, dtype, tokenizer_saved, verif
                 "--gate-init decay-spread --decay-times {:g} {:g}".format(*options["decay_times"]))
         rope = (f" --partial-rope {config.rope_max_wavelength:g}" if config.rope_max_wavelength else
                 " --keep-rope" if config.use_rope else "")
-        rope += " --slow-pairs drop" if config.rope_max_wavelength and config.rope_slow_pairs == "drop" else ""
+        if config.rope_max_wavelength and config.rope_slow_pairs != "clamp":
+            rope += f" --slow-pairs {config.rope_slow_pairs}"
+        if config.rope_slow_pairs_factor:
+            rope += f" --interpolate-to {config.rope_max_wavelength * config.rope_slow_pairs_factor:g}"
         command = (f"foxlm convert llama {source} {name} {gate}" + rope
                    + (" --token-shift" if config.use_k_shift else "")
                    + (" --output-gate" if config.use_output_gate else ""))

@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 from transformers.processing_utils import Unpack
@@ -416,21 +417,31 @@ class FoxDecoderLayer(GradientCheckpointingLayer):
 class FoxRotaryEmbedding(LlamaRotaryEmbedding):
     """LLaMA's RoPE, with `config.rope_max_wavelength` (partial RoPE): the channel pairs whose wavelength is that long
     or longer get frequency 0, so cos = 1 and sin = 0 leave them unrotated; with `config.rope_slow_pairs="clamp"` they
-    keep their frequency and rotate with positions capped at `rope_max_wavelength` instead."""
+    keep their frequency and rotate with positions capped at `rope_max_wavelength` instead, with `"interpolate"` they
+    turn `config.rope_slow_pairs_factor` times slower."""
 
     def __init__(self, config):
         super().__init__(config)
-        self.drop_long_wavelengths()
+        self.set_slow_pair_frequencies()
 
     def slow_pairs(self, frequencies):
         """The pairs whose wavelength is at least `rope_max_wavelength` (a dropped pair's frequency 0 counts too)."""
         return 2 * math.pi / frequencies >= self.config.rope_max_wavelength
 
     @torch.no_grad()
-    def drop_long_wavelengths(self):
-        if self.config.rope_max_wavelength is not None and self.config.rope_slow_pairs == "drop":
-            for frequencies in (self.inv_freq, self.original_inv_freq):
-                frequencies.masked_fill_(self.slow_pairs(frequencies), 0.0)
+    def set_slow_pair_frequencies(self):
+        """The slow pairs' frequencies, set from RoPE's own (so that setting them twice changes nothing)."""
+        if self.config.rope_max_wavelength is None or self.config.rope_slow_pairs == "clamp":
+            return
+        rope_init = ROPE_INIT_FUNCTIONS.get(self.rope_type, self.compute_default_rope_parameters)
+        frequencies = rope_init(self.config)[0]
+        slow = self.slow_pairs(frequencies)
+        if self.config.rope_slow_pairs == "drop":
+            frequencies = frequencies.masked_fill(slow, 0.0)
+        else:
+            frequencies = torch.where(slow, frequencies / self.config.rope_slow_pairs_factor, frequencies)
+        self.inv_freq.copy_(frequencies)
+        self.original_inv_freq.copy_(frequencies)
 
     @torch.no_grad()
     def forward(self, x, position_ids):
@@ -505,7 +516,7 @@ class FoxPreTrainedModel(PreTrainedModel):
         elif isinstance(module, FoxRMSNorm):
             init.ones_(module.weight)
         elif isinstance(module, FoxRotaryEmbedding):  # transformers has just recomputed every frequency
-            module.drop_long_wavelengths()
+            module.set_slow_pair_frequencies()
 
 
 class FoxModel(FoxPreTrainedModel):

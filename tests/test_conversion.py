@@ -137,6 +137,38 @@ def test_clamped_slow_pairs_by_default_compute_what_the_source_does_up_to_the_cu
         main(["convert", "llama", str(tmp_path / "llama"), str(tmp_path / "cli-none"), "--slow-pairs", "drop"])
 
 
+def test_interpolated_slow_pairs_turn_as_far_over_the_new_context_as_the_source_did_over_its_own(tmp_path):
+    llama = save_tiny(tmp_path / "llama", max_position_embeddings=100, head_dim=8)
+    out = convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", dtype="fp32", partial_rope=True,
+                               slow_pairs="interpolate", interpolate_to=400, gate_init="open", gate_bias=30.0)
+    fox = FoxForCausalLM.from_pretrained(out).eval()  # transformers recomputes the frequencies while loading
+    assert fox.config.rope_slow_pairs == "interpolate" and fox.config.rope_slow_pairs_factor == 4
+    assert "--slow-pairs interpolate --interpolate-to 400" in (out / "README.md").read_text()
+    source = llama.model.rotary_emb.inv_freq  # wavelengths 6, 63, 628, 6283: the last two are slower than 100
+    for frequencies in (fox.model.rotary_emb.inv_freq, fox.model.rotary_emb.original_inv_freq):
+        torch.testing.assert_close(frequencies, torch.cat([source[:2], source[2:] / 4]))
+    fox.model.rotary_emb.set_slow_pair_frequencies()  # set from RoPE's own frequencies: a second time changes nothing
+    torch.testing.assert_close(fox.model.rotary_emb.inv_freq, torch.cat([source[:2], source[2:] / 4]))
+    # Position 4p's slow pairs stand where the source's stood at p, and the fast pairs turn as in the source.
+    positions = torch.arange(0, 400, 4)[None]
+    cos, _ = fox.model.rotary_emb(source, positions)
+    cos_llama, _ = llama.model.rotary_emb(source, positions // 4)
+    torch.testing.assert_close(cos[..., [2, 3, 6, 7]], cos_llama[..., [2, 3, 6, 7]])
+    torch.testing.assert_close(cos[..., [0, 1, 4, 5]], llama.model.rotary_emb(source, positions)[0][..., [0, 1, 4, 5]])
+    for options, message in ((dict(slow_pairs="interpolate"), "go together"),
+                             (dict(slow_pairs="clamp", interpolate_to=400), "go together"),
+                             (dict(slow_pairs="interpolate", interpolate_to=100), "above partial RoPE's cut")):
+        with pytest.raises(ConversionError, match=message):
+            convert_llama_to_fox(tmp_path / "llama", tmp_path / "bad", partial_rope=True, **options)
+    assert not (tmp_path / "bad").exists()
+    main(["convert", "llama", str(tmp_path / "llama"), str(tmp_path / "cli"), "--partial-rope", "--slow-pairs",
+          "interpolate", "--interpolate-to", "800"])
+    assert json.loads((tmp_path / "cli" / "config.json").read_text())["rope_slow_pairs_factor"] == 8
+    with pytest.raises(SystemExit, match="--slow-pairs interpolate and --interpolate-to CONTEXT go together"):
+        main(["convert", "llama", str(tmp_path / "llama"), str(tmp_path / "cli-none"), "--partial-rope",
+              "--slow-pairs", "interpolate"])
+
+
 def test_default_conversion_drops_rope_and_adds_zero_weight_gates(tmp_path):
     llama = save_tiny(tmp_path / "llama")
     fox = FoxForCausalLM.from_pretrained(convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox"))

@@ -249,6 +249,11 @@ def test_partial_rope_with_clamped_slow_pairs_by_default_and_no_transfer(llama_a
                                       "--teacher-samples", "0")])
     assert json.loads((root / "dropped" / "fine-tuned" / "config.json").read_text())["rope_slow_pairs"] == "drop"
     assert json.loads((root / "dropped" / "training_options.json").read_text())["options"]["slow_pairs"] == "drop"
+    # Interpolated, the slow pairs turn as far over --context as the original did over its context (128 here).
+    foxlm(["finetune", *finetune_args(root, "interpolated", "--slow-pairs", "interpolate", "--context", "256",
+                                      "--steps", "1", "--skip-eval", "--teacher-samples", "0")])
+    config = json.loads((root / "interpolated" / "fine-tuned" / "config.json").read_text())
+    assert config["rope_slow_pairs"] == "interpolate" and config["rope_slow_pairs_factor"] == 2
     # --gate-bias sets the gates' start with RoPE kept, and is recorded.
     foxlm(["finetune", *finetune_args(root, "gate-bias", "--keep-rope", "--gate-bias", "10", "--steps", "1",
                                       "--skip-eval", "--teacher-samples", "0")])
@@ -263,6 +268,8 @@ def test_bad_arguments_are_named_before_any_training(llama_and_corpus, capsys):
         foxlm(["finetune", *finetune_args(root, "empty", "--eval-only")])
     with pytest.raises(SystemExit, match="--resume"):
         foxlm(["finetune", *finetune_args(root, "no-checkpoint", "--resume")])
+    with pytest.raises(SystemExit, match="--context"):  # interpolating to the original's own context
+        foxlm(["finetune", *finetune_args(root, "interpolate-128", "--slow-pairs", "interpolate")])
     with pytest.raises(SystemExit):
         foxlm(["finetune", *finetune_args(root, "both-ropes", "--partial-rope", "--keep-rope")])
     assert "not allowed with argument" in capsys.readouterr().err

@@ -116,13 +116,14 @@ def load_source_config(source):
     return AutoConfig.from_pretrained(name_or_path, **kwargs)
 
 
-def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_pairs=None,
+def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_pairs=None, interpolate_to=None,
                           gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS, decay_times=DEFAULT_DECAY_TIMES,
                           token_shift=False, output_gate=False):
     """A FoxConfig with the source's sizes, a data-dependent forget gate, with `keep_rope` its RoPE, with
     `partial_rope` its RoPE on the channel pairs whose wavelength is shorter than `partial_rope` tokens only (True: the
     source's context, `max_position_embeddings`; the slower pairs rotated up to that position only, or with
-    `slow_pairs="drop"` unrotated: `FoxConfig.rope_slow_pairs`), with `token_shift` a key and value token shift (FoX
+    `slow_pairs="drop"` unrotated, or with `slow_pairs="interpolate"` turning slower, as far over `interpolate_to`
+    tokens as they did over the cut: `FoxConfig.rope_slow_pairs`), with `token_shift` a key and value token shift (FoX
     Pro's) that starts near no shift, and with `output_gate` FoX Pro's output gate (`fox_from_llama` makes it start as
     no gate)."""
     check_gate_options(gate_init, gate_bias, decay_times)
@@ -132,11 +133,20 @@ def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_p
             isinstance(partial_rope, (int, float)) and 0 < partial_rope < math.inf):
         raise ConversionError(f"partial_rope must be True (the source's context) or a wavelength in tokens, got "
                               f"{partial_rope!r}.")
-    if slow_pairs not in (None, "drop", "clamp"):
-        raise ConversionError(f"slow_pairs must be 'drop' or 'clamp', got {slow_pairs!r}.")
+    if slow_pairs not in (None, "drop", "clamp", "interpolate"):
+        raise ConversionError(f"slow_pairs must be 'drop', 'clamp' or 'interpolate', got {slow_pairs!r}.")
     if slow_pairs is not None and not partial_rope:
         raise ConversionError("slow_pairs says what partial RoPE does with the pairs slower than its cut: it needs "
                               "partial_rope.")
+    cut = float(config.max_position_embeddings if partial_rope is True else partial_rope)
+    if (slow_pairs == "interpolate") != (interpolate_to is not None):
+        raise ConversionError("slow_pairs='interpolate' and interpolate_to (the context to stretch the slow pairs' "
+                              f"rotation over) go together; got slow_pairs={slow_pairs!r}, "
+                              f"interpolate_to={interpolate_to!r}.")
+    if interpolate_to is not None and (isinstance(interpolate_to, bool) or not (
+            isinstance(interpolate_to, (int, float)) and cut < interpolate_to < math.inf)):
+        raise ConversionError(f"interpolate_to, the context the model is meant for (`foxlm finetune`: --context), "
+                              f"must be a number of tokens above partial RoPE's cut ({cut:g}), got {interpolate_to!r}.")
     fields = {name: getattr(config, name) for name in COPIED_FIELDS if getattr(config, name, None) is not None}
     fields["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     # Qwen2 always has q/k/v biases (its config has no flag); FoX's flag also gives o_proj a bias, which starts at 0.
@@ -153,8 +163,10 @@ def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_p
     if keep_rope or partial_rope:
         fields.update(use_rope=True, rope_parameters=dict(config.rope_parameters))
     if partial_rope:
-        fields["rope_max_wavelength"] = float(config.max_position_embeddings if partial_rope is True else partial_rope)
+        fields["rope_max_wavelength"] = cut
         fields["rope_slow_pairs"] = slow_pairs or "clamp"
+        if interpolate_to is not None:
+            fields["rope_slow_pairs_factor"] = interpolate_to / cut
     return FoxConfig(fgate_type="data_dependent", **fields)
 
 
@@ -205,7 +217,8 @@ def fox_from_llama(model, **options):
     return fox.eval()
 
 
-def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=False, slow_pairs=None, dtype="auto",
+def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=False, slow_pairs=None,
+                         interpolate_to=None, dtype="auto",
                          max_shard_size="5GB", force=False, gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS,
                          decay_times=DEFAULT_DECAY_TIMES, token_shift=False, output_gate=False, transfer_steps=0,
                          transfer_data=None, transfer_lr=DEFAULT_TRANSFER_LR, transfer_qk_rank=0, transfer_device=None):
@@ -213,8 +226,8 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=Fa
 
     RoPE is dropped, kept with `keep_rope`, or kept with `partial_rope` on the channel pairs whose wavelength is
     shorter than `partial_rope` tokens only (True: the source's context; docs/retrofit.md, "Partial RoPE"), the
-    slower pairs rotated with positions capped at the cut (`slow_pairs="clamp"`, the default) or unrotated
-    (`slow_pairs="drop"`).
+    slower pairs rotated with positions capped at the cut (`slow_pairs="clamp"`, the default), unrotated
+    (`slow_pairs="drop"`) or turning `interpolate_to` / cut times slower (`slow_pairs="interpolate"`).
     With `token_shift` the FoX model gets FoX Pro's key and value token shift, starting near no shift; it gives back
     some of the position information RoPE carried (the previous token's key and value), and the transfer trains it.
     With `output_gate` it gets FoX Pro's output gate, starting as no gate (`fox_from_llama`), also trained by the
@@ -234,7 +247,8 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=Fa
         raise ConversionError("attention transfer needs both transfer_steps > 0 and transfer_data (input-id batches); "
                               f"got transfer_steps={transfer_steps} and transfer_data={type(transfer_data).__name__}.")
     source_config = load_source_config(source)
-    options = dict(keep_rope=keep_rope, partial_rope=partial_rope, slow_pairs=slow_pairs, gate_init=gate_init,
+    options = dict(keep_rope=keep_rope, partial_rope=partial_rope, slow_pairs=slow_pairs,
+                   interpolate_to=interpolate_to, gate_init=gate_init,
                    gate_bias=gate_bias, decay_times=decay_times, token_shift=token_shift, output_gate=output_gate)
     fox_config_from_llama(source_config, **options)  # validate the options before loading any weights
     source_dtype = getattr(source_config, "dtype", None)
