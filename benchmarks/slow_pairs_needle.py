@@ -74,13 +74,12 @@ def slow_pairs_attention(frequencies, scheme, context, factor):
         keys, kv_heads = key.shape[2], key.shape[1]
         key_positions = torch.arange(keys, device=query.device)
         query_positions = key_positions[keys - queries:]
-        q = rotate(query.float(), pair_positions(query_positions, slow, scheme, context, factor), frequencies)
-        k = rotate(key.float(), pair_positions(key_positions, slow, scheme, context, factor), frequencies)
+        query_pairs = pair_positions(query_positions, slow, scheme, context, factor)
+        key_pairs = pair_positions(key_positions, slow, scheme, context, factor)
+        q, k = rotate(query.float(), query_pairs, frequencies), rotate(key.float(), key_pairs, frequencies)
         if scheme == "saturate":  # beyond the context: slow pairs at the context's angle (q turned by it, k not)
-            far_q = rotate(query.float(), torch.where(slow, float(context), pair_positions(
-                query_positions, slow, "rope", context, factor)), frequencies)
-            far_k = rotate(key.float(), torch.where(slow, 0.0, pair_positions(
-                key_positions, slow, "rope", context, factor)), frequencies)
+            far_q = rotate(query.float(), torch.where(slow, float(context), query_pairs), frequencies)
+            far_k = rotate(key.float(), torch.where(slow, 0.0, key_pairs), frequencies)
         groups = (batch, kv_heads, heads // kv_heads, queries, dim)  # GQA: query heads grouped by their kv head
         q, v = q.view(groups), value.float()
         if scheme == "saturate":

@@ -109,9 +109,6 @@ def run_demo(args):
 def run_convert_llama(args):
     from foxlm.conversion import convert_llama_to_fox
 
-    if (args.slow_pairs == "interpolate") != (args.interpolate_to is not None):
-        raise FoxlmError("--slow-pairs interpolate and --interpolate-to CONTEXT go together: the slow pairs turn "
-                         "CONTEXT / the cut times slower.")
     try:
         transfer = transfer_options(args) if args.transfer_steps else {}
     except FileNotFoundError as error:  # a corpus that is not installed

@@ -140,8 +140,9 @@ def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_p
                               "partial_rope.")
     cut = float(config.max_position_embeddings if partial_rope is True else partial_rope)
     if (slow_pairs == "interpolate") != (interpolate_to is not None):
-        raise ConversionError("slow_pairs='interpolate' and interpolate_to (the context to stretch the slow pairs' "
-                              f"rotation over) go together; got slow_pairs={slow_pairs!r}, "
+        raise ConversionError("slow_pairs='interpolate' and interpolate_to, the context to stretch the slow pairs' "
+                              "rotation over, go together (on the command line: --slow-pairs interpolate and "
+                              f"--interpolate-to CONTEXT go together); got slow_pairs={slow_pairs!r}, "
                               f"interpolate_to={interpolate_to!r}.")
     if interpolate_to is not None and (isinstance(interpolate_to, bool) or not (
             isinstance(interpolate_to, (int, float)) and cut < interpolate_to < math.inf)):
