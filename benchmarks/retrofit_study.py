@@ -81,6 +81,10 @@ RECIPES = {
     # clamped, with the 32k recipe above.
     "context-32k-kl-30-group-related-interpolate": ["--context", "32768", "--micro-batch-size", "2", "--kl-weight",
                                                     "30", "--group-related", "--slow-pairs", "interpolate"],
+    # The same with 32 spans of each 32k block copied from earlier in it (about 8% of the tokens): training that
+    # rewards retrieving from far back.
+    "context-32k-kl-30-group-related-copy-spans-32": ["--context", "32768", "--micro-batch-size", "2", "--kl-weight",
+                                                      "30", "--group-related", "--copy-spans", "32"],
     # The GPU default is 4 blocks per pass, compiled: these were the default (before 2026-11-27) and its parts.
     "one-block-per-pass": ["--micro-batch-size", "1", "--no-compile"],
     "micro-batch-4": ["--micro-batch-size", "4", "--no-compile"],

@@ -391,6 +391,63 @@ def pack_into_blocks(documents, block_size):
     return stream[: num_blocks * block_size].view(num_blocks, block_size)
 
 
+# Lengths of the spans `with_copied_spans` copies: a phrase to a paragraph.
+COPY_SPAN_LENGTHS = (32, 128)
+
+
+def max_copied_spans(block_size, span_lengths=COPY_SPAN_LENGTHS):
+    """How many copied spans a block holds: their copies may cover at most half of it."""
+    return block_size // (2 * span_lengths[1])
+
+
+def with_copied_spans(blocks, spans_per_block, span_lengths=COPY_SPAN_LENGTHS, seed=0):
+    """Training blocks (lists of token ids) in which `spans_per_block` spans of `span_lengths` tokens (inclusive
+    range) repeat text from earlier in the same block, for teaching retrieval from far back: packed text seldom
+    repeats anything thousands of tokens later, so next-token loss on it rarely rewards looking that far.
+
+    Each copy overwrites the block's own tokens at a place drawn uniformly over the block; its source is drawn
+    uniformly over the text before it, so the distances cover the block. Copies never overlap each other or a
+    source, so every copy in the returned block is exact. Deterministic for a seed; the blocks given are not changed.
+    """
+    shortest, longest = span_lengths
+    if not 1 <= shortest <= longest:
+        raise ValueError(f"span_lengths must be (shortest, longest) with 1 <= shortest <= longest, got {span_lengths}")
+    rng = random.Random(seed)
+    copied = []
+    for block in blocks:
+        block = list(block)
+        if spans_per_block > max_copied_spans(len(block), span_lengths):
+            raise ValueError(f"{spans_per_block} copied spans of up to {longest} tokens do not fit a block of "
+                             f"{len(block)} tokens (at most {max_copied_spans(len(block), span_lengths)})")
+        # Copies go into slots of `longest` tokens, the first left as text to copy from.
+        slots = sorted(rng.sample(range(1, len(block) // longest), spans_per_block))
+        targets = [(slot * longest, rng.randint(shortest, longest)) for slot in slots]
+        for start, length in targets:
+            source = uniform_free_start(rng, start, length, targets)
+            block[start : start + length] = block[source : source + length]
+        copied.append(block)
+    return copied
+
+
+def uniform_free_start(rng, end, length, taken):
+    """A start s drawn uniformly among those where [s, s + length) lies before `end` and overlaps none of the
+    `taken` (start, length) spans; the first slot of a block is never taken, so there is one."""
+    free, previous = [], 0
+    for start, taken_length in sorted(taken):
+        if start >= end:
+            break
+        if start - previous >= length:
+            free.append((previous, start - length + 1))  # starts previous .. start - length
+        previous = start + taken_length
+    if end - previous >= length:
+        free.append((previous, end - length + 1))
+    pick = rng.randrange(sum(stop - begin for begin, stop in free))
+    for begin, stop in free:
+        if pick < stop - begin:
+            return begin + pick
+        pick -= stop - begin
+
+
 def padding_free_examples(documents, max_length, min_length=2):
     """One example per document chunk of at most `max_length` tokens, for `DataCollatorWithFlattening`.
 

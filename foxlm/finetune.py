@@ -113,6 +113,11 @@ def build_parser(prog=None):
                       help="with the default data: keep the files about one module together (its source, its "
                            "documentation page, the man page of the call it wraps) so that training blocks hold text "
                            "that refers back thousands of tokens (default: off, files shuffled one by one)")
+    data.add_argument("--copy-spans", type=int, default=0, metavar="N",
+                      help="in every training block, N spans of 32-128 tokens repeat text from earlier in the same "
+                           "block, at distances spread over the whole block: training then rewards retrieving from "
+                           "far back, which packed text seldom does (at most --context / 256; default: %(default)s, "
+                           "none)")
     data.add_argument("--eval-domains", default=None, metavar="LIST",
                       help="comma-separated held-out domains to evaluate on, of code, docs, kernel, prose "
                            "(default: code, docs and prose with the default data; none besides your held-out files "
@@ -266,7 +271,7 @@ def check_args(parser, args):
                  "sample_batch_size", "context_parallel"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("transfer_steps", "transfer_qk_rank", "teacher_samples"):
+    for name in ("transfer_steps", "transfer_qk_rank", "teacher_samples", "copy_spans"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
     for name in ("transfer_lr", "lr", "max_minutes", "partial_rope"):  # --partial-rope alone is True: it passes
@@ -311,6 +316,12 @@ def check_args(parser, args):
     if args.micro_batch_size * args.context > args.tokens_per_step:
         parser.error(f"--micro-batch-size {args.micro_batch_size} blocks of --context {args.context} tokens exceed "
                      f"--tokens-per-step {args.tokens_per_step}")
+    from foxlm.data import max_copied_spans
+
+    if args.copy_spans > max_copied_spans(args.context):
+        parser.error(f"--copy-spans {args.copy_spans}: blocks of --context {args.context} tokens hold at most "
+                     f"{max_copied_spans(args.context)} copied spans of up to 128 tokens (their copies cover at most "
+                     "half a block)")
     if args.teacher_context is not None and args.teacher_context < 1:
         parser.error(f"--teacher-context must be at least 1, got {args.teacher_context}")
     return args
@@ -505,7 +516,7 @@ OPTIONS_FILE = "training_options.json"
 # --eval-only, --force) and evaluation's options. --steps may grow: training goes on to the new total, as Trainer's
 # max_steps allows (the cosine decay stretches to it); it may not shrink below what the run was started for.
 TRAINING_OPTIONS = ("model", "text_files", "dataset", "text_column", "train_domains", "group_related",
-                    "teacher_samples",
+                    "copy_spans", "teacher_samples",
                     "sample_temperature", "sample_length", "partial_rope", "drop_rope", "keep_rope", "slow_pairs",
                     "gate_bias", "token_shift",
                     "output_gate", "transfer_steps", "transfer_qk_rank", "transfer_lr", "transfer_length",
@@ -566,6 +577,8 @@ def recorded_options(run_dir):
         options["slow_pairs"] = "drop"
     if "train_domains" in options and "group_related" not in options:  # recorded before --group-related: shuffled
         options["group_related"] = False
+    if "context" in options and "copy_spans" not in options:  # recorded before --copy-spans: none
+        options["copy_spans"] = 0
     return options
 
 
@@ -898,8 +911,12 @@ def main(argv=None, prog=None):
         # Decided on rank 0 alone: another rank could look after rank 0 has converted.
         processes.once(lambda: (args.force or not converted_dir.exists())
                        and convert(args, source, converted_dir, train_docs, context), share=False)
-        fine_tune(args, source, converted_dir, tokenizer, blocks_of(train_docs, args.context, "--context"), run_dir,
-                  context, processes)
+        train_blocks = blocks_of(train_docs, args.context, "--context")
+        if args.copy_spans:
+            from foxlm.data import with_copied_spans
+
+            train_blocks = with_copied_spans(train_blocks, args.copy_spans)
+        fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, context, processes)
     if not processes.end():  # evaluation is rank 0's, on one device
         return
     if not args.skip_eval:

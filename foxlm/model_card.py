@@ -166,15 +166,19 @@ def training_data(args):
     """What `foxlm finetune` trained on, in words, from its arguments."""
     from .data import EVAL_PERCENT, TRAINING_DOMAINS
 
+    spans = getattr(args, "copy_spans", 0)
+    copied = f"; in every training block, {spans} spans of 32-128 tokens repeat text from earlier in it" \
+        if spans else ""
     if args.dataset:
-        return f"the `{args.dataset}` dataset (train split; the first {EVAL_PERCENT}% held out for evaluation)"
+        return f"the `{args.dataset}` dataset (train split; the first {EVAL_PERCENT}% held out for evaluation){copied}"
     if args.text_files:
         return (f"text files matching `{Path(args.text_files).name}` ({EVAL_PERCENT}% of them held out for "
-                "evaluation by a hash of their path)")
+                f"evaluation by a hash of their path){copied}")
     domains = args.train_domains.split(",") if getattr(args, "train_domains", None) else TRAINING_DOMAINS
     grouped = ", the files about one module kept together" if getattr(args, "group_related", False) else ""
     return ("; ".join(TRAINING_CORPORA[domain] for domain in domains)
-            + f" ({EVAL_PERCENT}% of each corpus's files held out for evaluation by a hash of their path){grouped}")
+            + f" ({EVAL_PERCENT}% of each corpus's files held out for evaluation by a hash of their path){grouped}"
+            + copied)
 
 
 def fine_tuning_facts(converted_dir, trainer, args):

@@ -21,9 +21,11 @@ from foxlm.data import (
     domain_texts,
     held_out_documents,
     is_held_out,
+    max_copied_spans,
     render_man_page,
     topic,
     training_texts,
+    with_copied_spans,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,3 +171,37 @@ def test_missing_corpora_name_the_apt_get_command(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="unknown corpus 'books'"):
         corpus_texts("books")
     assert set(CORPORA) == {c for corpora in DOMAINS.values() for c in corpora}
+
+
+def test_copied_spans_repeat_earlier_text_of_their_block_exactly_at_distances_over_the_whole_block():
+    blocks = [list(range(b * 10_000, b * 10_000 + 4096)) for b in range(40)]  # every token unique in its block
+    copied = with_copied_spans(blocks, 8)
+    assert blocks[0] == list(range(4096)) and copied == with_copied_spans(blocks, 8)  # inputs kept; deterministic
+    assert copied != with_copied_spans(blocks, 8, seed=1)
+    distances = []
+    for block, original in zip(copied, blocks):
+        assert len(block) == len(original)
+        changed = [i for i, (a, b) in enumerate(zip(block, original)) if a != b]
+        spans = [[changed[0]]]
+        for i in changed[1:]:
+            if i == spans[-1][-1] + 1 and block[i] == block[i - 1] + 1:
+                spans[-1].append(i)
+            else:
+                spans.append([i])
+        assert len(spans) == 8  # one run of consecutive source tokens per copy
+        for span in spans:
+            source = block[span[0]] - original[0]
+            assert 32 <= len(span) <= 128 and source + len(span) <= span[0]  # earlier in the block, not overlapping
+            assert block[span[0] : span[-1] + 1] == original[source : source + len(span)]
+            assert not set(range(source, source + len(span))) & set(changed)  # copied from text left as it was
+            distances.append(span[0] - source)
+    assert min(distances) < 512 and max(distances) > 3072  # near and far
+
+
+def test_copied_spans_that_do_not_fit_their_block_are_an_error():
+    assert max_copied_spans(32768) == 128 and max_copied_spans(512) == 2 and max_copied_spans(128) == 0
+    assert len(with_copied_spans([list(range(512))], 2)[0]) == 512
+    with pytest.raises(ValueError, match="3 copied spans of up to 128 tokens do not fit a block of 512 tokens"):
+        with_copied_spans([list(range(512))], 3)
+    with pytest.raises(ValueError, match="span_lengths"):
+        with_copied_spans([list(range(512))], 1, span_lengths=(64, 32))

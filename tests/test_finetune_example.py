@@ -288,6 +288,13 @@ def test_bad_arguments_are_named_before_any_training(llama_and_corpus, capsys):
         foxlm(["finetune", *finetune_args(root, "big-pass", "--micro-batch-size", "3")])
     assert "--micro-batch-size 3 blocks of --context 128 tokens exceed --tokens-per-step 256" in capsys.readouterr().err
     assert not (root / "too-long" / "checkpoints").exists()
+    with pytest.raises(SystemExit):
+        foxlm(["finetune", *finetune_args(root, "copies", "--copy-spans", "1")])
+    assert ("--copy-spans 1: blocks of --context 128 tokens hold at most 0 copied spans of up to 128 tokens"
+            in capsys.readouterr().err)
+    with pytest.raises(SystemExit):
+        foxlm(["finetune", *finetune_args(root, "copies", "--copy-spans", "-1")])
+    assert "--copy-spans must be 0 or more, got -1" in capsys.readouterr().err
 
 
 def test_train_domains_choose_the_default_corpora_that_train(monkeypatch, capsys):
@@ -348,6 +355,29 @@ def test_a_run_recorded_before_group_related_existed_resumes_with_its_files_shuf
     assert "group_related" not in finetune.recorded_options(tmp_path)  # it applies to the default corpora only
 
 
+def test_copied_spans_go_into_the_training_blocks_and_the_record(llama_and_corpus, monkeypatch):
+    from foxlm import finetune
+
+    root, trained = llama_and_corpus, []
+    monkeypatch.setattr(finetune, "fine_tune", lambda args, source, converted_dir, tokenizer, blocks, *rest:
+                        trained.append(blocks))
+    for spans in (0, 2):
+        foxlm(["finetune", *finetune_args(root, f"copies-{spans}", "--context", "512", "--tokens-per-step", "512",
+                                          "--copy-spans", str(spans), "--skip-eval", "--teacher-samples", "0")])
+        options = json.loads((root / f"copies-{spans}" / "training_options.json").read_text())["options"]
+        assert options["copy_spans"] == spans
+    plain, copied = trained
+    assert len(plain) == len(copied) and all(len(block) == 512 for block in copied)
+    for before, after in zip(plain, copied):
+        changed = [i for i, (a, b) in enumerate(zip(before, after)) if a != b]
+        assert 0 < len(changed) <= 2 * 128  # two copies of at most 128 tokens (a copied token may equal the old)
+    # A run recorded before --copy-spans existed resumes without copies.
+    from foxlm.evaluation import write_json
+
+    write_json({"options": {"model": "m", "context": 512}}, root / "copies-0" / finetune.OPTIONS_FILE)
+    assert finetune.recorded_options(root / "copies-0")["copy_spans"] == 0
+
+
 def test_the_model_card_names_the_training_data_as_chosen():
     from foxlm import finetune
     from foxlm.model_card import training_data
@@ -359,3 +389,6 @@ def test_the_model_card_names_the_training_data_as_chosen():
     assert chosen.startswith("documentation: Python's and the Linux man pages; the Linux kernel's documentation (")
     assert chosen.endswith(", the files about one module kept together")
     assert "`notes.txt`" in training_data(finetune.parse_args(["--text-files", "data/notes.txt"]))
+    copies = training_data(finetune.parse_args(["--text-files", "data/notes.txt", "--copy-spans", "2"]))
+    assert copies.endswith("; in every training block, 2 spans of 32-128 tokens repeat text from earlier in it")
+    assert "repeat text" not in default
