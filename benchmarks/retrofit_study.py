@@ -85,6 +85,10 @@ RECIPES = {
     # rewards retrieving from far back.
     "context-32k-kl-30-group-related-copy-spans-32": ["--context", "32768", "--micro-batch-size", "2", "--kl-weight",
                                                       "30", "--group-related", "--copy-spans", "32"],
+    "context-32k-kl-30-group-related-copy-spans-64": ["--context", "32768", "--micro-batch-size", "2", "--kl-weight",
+                                                      "30", "--group-related", "--copy-spans", "64"],
+    # The default (16k blocks) with as large a share of copied tokens as 32 spans in a 32k block.
+    "copy-spans-16": ["--copy-spans", "16"],
     # The GPU default is 4 blocks per pass, compiled: these were the default (before 2026-11-27) and its parts.
     "one-block-per-pass": ["--micro-batch-size", "1", "--no-compile"],
     "micro-batch-4": ["--micro-batch-size", "4", "--no-compile"],
