@@ -35,7 +35,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from foxlm.data import EVAL_PERCENT
+from foxlm.data import COPY_SPAN_LENGTHS, EVAL_PERCENT
 
 LORA_LR, FULL_LR = 3e-3, 3e-4  # benchmarks/NOTES_finetune.md: how they were chosen
 ROPE_GATE_BIAS = 7.0  # f = 0.9991, a decay time of 1,100 tokens: docs/retrofit.md, "Partial RoPE"
@@ -114,10 +114,10 @@ def build_parser(prog=None):
                            "documentation page, the man page of the call it wraps) so that training blocks hold text "
                            "that refers back thousands of tokens (default: off, files shuffled one by one)")
     data.add_argument("--copy-spans", type=int, default=0, metavar="N",
-                      help="in every training block, N spans of 32-128 tokens repeat text from earlier in the same "
+                      help="in every training block, N spans of {}-{} tokens repeat text from earlier in the same "
                            "block, at distances spread over the whole block: training then rewards retrieving from "
-                           "far back, which packed text seldom does (at most --context / 256; default: %(default)s, "
-                           "none)")
+                           "far back, which packed text seldom does (at most --context / {}; default: %(default)s, "
+                           "none)".format(*COPY_SPAN_LENGTHS, 2 * COPY_SPAN_LENGTHS[1]))
     data.add_argument("--eval-domains", default=None, metavar="LIST",
                       help="comma-separated held-out domains to evaluate on, of code, docs, kernel, prose "
                            "(default: code, docs and prose with the default data; none besides your held-out files "
@@ -320,8 +320,8 @@ def check_args(parser, args):
 
     if args.copy_spans > max_copied_spans(args.context):
         parser.error(f"--copy-spans {args.copy_spans}: blocks of --context {args.context} tokens hold at most "
-                     f"{max_copied_spans(args.context)} copied spans of up to 128 tokens (their copies cover at most "
-                     "half a block)")
+                     f"{max_copied_spans(args.context)} copied spans of up to {COPY_SPAN_LENGTHS[1]} tokens (their "
+                     "copies cover at most half a block)")
     if args.teacher_context is not None and args.teacher_context < 1:
         parser.error(f"--teacher-context must be at least 1, got {args.teacher_context}")
     return args

@@ -164,11 +164,11 @@ TRAINING_CORPORA = {"code": "code: the Python standard library's sources",
 
 def training_data(args):
     """What `foxlm finetune` trained on, in words, from its arguments."""
-    from .data import EVAL_PERCENT, TRAINING_DOMAINS
+    from .data import COPY_SPAN_LENGTHS, EVAL_PERCENT, TRAINING_DOMAINS
 
-    spans = getattr(args, "copy_spans", 0)
-    copied = f"; in every training block, {spans} spans of 32-128 tokens repeat text from earlier in it" \
-        if spans else ""
+    spans, (shortest, longest) = getattr(args, "copy_spans", 0), COPY_SPAN_LENGTHS
+    copied = (f"; in every training block, {spans} spans of {shortest}-{longest} tokens repeat text from earlier in it"
+              if spans else "")
     if args.dataset:
         return f"the `{args.dataset}` dataset (train split; the first {EVAL_PERCENT}% held out for evaluation){copied}"
     if args.text_files:
