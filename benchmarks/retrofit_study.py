@@ -185,9 +185,11 @@ def table(runs):
                 if within and int(band.split("-")[0]) >= within]
         past = [change for change in past if change is not None]
         row.append(f"{max(past):+.1%}" if past else "-")
-        needle = (summary.get("needle") or {}).get(finetune.FINE_TUNED, {})
-        row.append(", ".join(f"{int(c) // 1024}k {a:.0%}" if int(c) >= 1024 else f"{c} {a:.0%}"
-                             for c, a in needle.items()) or "-")
+        haystacks = {haystack: ", ".join(f"{int(c) // 1024}k {a:.0%}" if int(c) >= 1024 else f"{c} {a:.0%}"
+                                         for c, a in models.get(finetune.FINE_TUNED, {}).items())
+                     for haystack, models in (summary.get("needle") or {}).items()}
+        row.append("; ".join(text if len(haystacks) == 1 else f"{haystack}: {text}"
+                             for haystack, text in haystacks.items()) or "-")
         samples = summary.get("teacher_samples")
         row.append(f"{samples['tokens'] / 1e6:.1f}M tokens in {samples['seconds']:.0f} s" if samples else "-")
         lines.append("| " + " | ".join(row) + " |")

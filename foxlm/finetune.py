@@ -242,7 +242,10 @@ def build_parser(prog=None):
     evaluation.add_argument("--skip-original", action="store_true", help="do not evaluate the original model")
     evaluation.add_argument("--needle", action=argparse.BooleanOptionalAction, default=True,
                             help="needle-in-a-haystack (easy mode) of the original and the fine-tuned model at 2k "
-                                 "and its doubles up to --eval-length, on held-out prose (default: on)")
+                                 "and its doubles up to --eval-length (default: on)")
+    evaluation.add_argument("--needle-haystacks", default=None, metavar="LIST",
+                            help="comma-separated held-out domains to cut the needle's haystacks from, one test each "
+                                 "(default: prose, or the first domain evaluated when prose is not)")
     return parser
 
 
@@ -322,6 +325,11 @@ def check_args(parser, args):
         parser.error(f"--copy-spans {args.copy_spans}: blocks of --context {args.context} tokens hold at most "
                      f"{max_copied_spans(args.context)} copied spans of up to {COPY_SPAN_LENGTHS[1]} tokens (their "
                      "copies cover at most half a block)")
+    if args.needle_haystacks is not None:
+        unknown = [d for d in args.needle_haystacks.split(",") if d not in evaluated_domains(args)]
+        if unknown:
+            parser.error(f"--needle-haystacks: {', '.join(map(repr, unknown))} is not a domain this run evaluates "
+                         f"on; choose from {', '.join(evaluated_domains(args))} (--eval-domains adds others)")
     if args.teacher_context is not None and args.teacher_context < 1:
         parser.error(f"--teacher-context must be at least 1, got {args.teacher_context}")
     return args
@@ -420,9 +428,29 @@ class Processes:
         return self.main
 
 
+OWN_HELD_OUT = "held-out"  # the domain of the files --text-files or --dataset holds out
+
+
+def evaluated_domains(args):
+    """The held-out domains the run evaluates on, in order: your own held-out files first (with --text-files or
+    --dataset), then --eval-domains (by default code, docs and prose with the default data, none with yours)."""
+    from foxlm.data import EVAL_DOMAINS
+
+    own = [OWN_HELD_OUT] if args.text_files or args.dataset else []
+    return own + (args.eval_domains.split(",") if args.eval_domains else [] if own else list(EVAL_DOMAINS))
+
+
+def needle_haystacks(args):
+    """--needle-haystacks as a list: by default prose, or the first domain evaluated when prose is not."""
+    if args.needle_haystacks:
+        return args.needle_haystacks.split(",")
+    domains = evaluated_domains(args)
+    return ["prose" if "prose" in domains else domains[0]] if domains else []
+
+
 def load_documents(args, tokenizer):
     """(training documents, {domain: held-out documents}) as token id lists, each document ending with EOS."""
-    from foxlm.data import EVAL_DOMAINS, domain_texts, read_texts, split_files, text_files, tokenize_documents
+    from foxlm.data import domain_texts, read_texts, split_files, text_files, tokenize_documents
     from foxlm.data import TRAINING_DOMAINS, training_texts
 
     held_out = {}
@@ -431,19 +459,19 @@ def load_documents(args, tokenizer):
 
         texts = load_dataset(args.dataset, split="train")[args.text_column]
         held = max(1, len(texts) * EVAL_PERCENT // 100)
-        train_texts, held_out["held-out"] = texts[held:], texts[:held]
+        train_texts, held_out[OWN_HELD_OUT] = texts[held:], texts[:held]
     elif args.text_files:
         train_paths, eval_paths = split_files(text_files(args.text_files))
         if not train_paths or not eval_paths:
             sys.exit(f"error: --text-files {args.text_files!r}: the split by path held out {len(eval_paths)} of "
                      f"{len(train_paths) + len(eval_paths)} files; give more files")
-        train_texts, held_out["held-out"] = read_texts(train_paths), read_texts(eval_paths)
+        train_texts, held_out[OWN_HELD_OUT] = read_texts(train_paths), read_texts(eval_paths)
     else:
         train_domains = args.train_domains.split(",") if args.train_domains else TRAINING_DOMAINS
         train_texts = training_texts(train_domains, corpus_dir=args.corpus_dir, group_related=args.group_related)
-    domains = args.eval_domains.split(",") if args.eval_domains else [] if held_out else list(EVAL_DOMAINS)
-    for domain in domains:
-        held_out[domain] = domain_texts(domain, True, args.corpus_dir)
+    for domain in evaluated_domains(args):
+        if domain != OWN_HELD_OUT:
+            held_out[domain] = domain_texts(domain, True, args.corpus_dir)
     return (tokenize_documents(tokenizer, train_texts, add_bos=False),
             {domain: tokenize_documents(tokenizer, texts, add_bos=False) for domain, texts in held_out.items()})
 
@@ -846,29 +874,34 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
 
 
 def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device):
-    """Needle-in-a-haystack accuracy by context length of the original and the fine-tuned model."""
+    """Needle-in-a-haystack accuracy by context length of the original and the fine-tuned model, one test per
+    haystack of --needle-haystacks: {haystack: {label: {context length: accuracy}}}, and DIR/needle.json."""
     from foxlm.evaluation import NEEDLE_DEPTHS, load_causal_lm, needle_in_a_haystack, needle_summary, write_json
 
     lengths = [2048 * 2**k for k in range(8) if 2048 * 2**k <= args.eval_length] or [args.eval_length]
     depths = list(NEEDLE_DEPTHS)
-    domain = "prose" if "prose" in held_out else next(iter(held_out))
-    haystack = [token for document in held_out[domain] for token in document]
-    results = {}
+    haystacks = {domain: [token for document in held_out[domain] for token in document]
+                 for domain in needle_haystacks(args)}
+    results = {domain: {} for domain in haystacks}
     for label, source in {**originals, FINE_TUNED: fine_tuned_dir}.items():
         model, tokenizer = load_causal_lm(source, dtype=dtype, device=device)
-        try:
-            scores, answers = needle_in_a_haystack(model, tokenizer, haystack, lengths, depths, with_answers=True)
-        except ValueError as error:
-            print(f"needle test skipped: {error}")
-            return None
-        results[label] = needle_summary(scores, lengths, depths, answers)
+        for domain, haystack in haystacks.items():
+            try:
+                scores, answers = needle_in_a_haystack(model, tokenizer, haystack, lengths, depths, with_answers=True)
+            except ValueError as error:
+                print(f"needle test skipped: {error}")
+                return None
+            results[domain][label] = needle_summary(scores, lengths, depths, answers)
         del model
-    write_json({"haystack": domain, "models": results}, run_dir / "needle.json")
-    for label, result in results.items():
-        by_length = ", ".join(f"{int(c) // 1024}k: {a:.0%}" if int(c) >= 1024 else f"{c}: {a:.0%}"
-                              for c, a in result["accuracy_by_context"].items())
-        print(f"needle in a haystack ({domain}), {label}: {by_length}")
-    return {label: result["accuracy_by_context"] for label, result in results.items()}
+    write_json({"haystacks": {domain: {"models": models} for domain, models in results.items()}},
+               run_dir / "needle.json")
+    for domain, models in results.items():
+        for label, result in models.items():
+            by_length = ", ".join(f"{int(c) // 1024}k: {a:.0%}" if int(c) >= 1024 else f"{c}: {a:.0%}"
+                                  for c, a in result["accuracy_by_context"].items())
+            print(f"needle in a haystack ({domain}), {label}: {by_length}")
+    return {domain: {label: result["accuracy_by_context"] for label, result in models.items()}
+            for domain, models in results.items()}
 
 
 def main(argv=None, prog=None):

@@ -40,7 +40,8 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
     monkeypatch.setattr(training, "compile_layer_parts",
                         lambda model: compiled.append(compile_parts(model, backend="aot_eager")))
     foxlm(["finetune", *finetune_args(root, "lora", "--drop-rope", "--gradient-checkpointing", "--eval-domains",
-                                      "prose", "--eval-length", "512", "--micro-batch-size", "2", "--compile")])
+                                      "prose", "--eval-length", "512", "--micro-batch-size", "2", "--compile",
+                                      "--needle-haystacks", "prose,held-out")])
     assert compiled == [4 * 2]  # norms, attention and MLP of the tiny LLaMA's 2 layers
     run = root / "lora"
     for name in ("converted/config.json", "adapter/adapter_model.safetensors", "fine-tuned/model.safetensors",
@@ -63,13 +64,19 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
     assert summary["within_original_context"] == 128 and summary["training"]["steps"] == 3
     assert set(summary["vs_original"]) == {"held-out", "prose"}
     assert all(0 <= v["top1_agreement"] <= 1 for v in summary["vs_original"].values())
-    assert set(summary["needle"]) == {"original (RoPE)", "converted, fine-tuned"}
+    assert list(summary["needle"]) == ["prose", "held-out"]  # a test per haystack, in the order asked
+    assert all(set(models) == {"original (RoPE)", "converted, fine-tuned"} for models in summary["needle"].values())
     needle = json.loads((run / "needle.json").read_text())
-    assert needle["haystack"] == "prose" and all(len(m["answers"]) == 11 for m in needle["models"].values())
+    for haystack in ("prose", "held-out"):
+        models = needle["haystacks"][haystack]["models"]
+        assert set(models) == {"original (RoPE)", "converted, fine-tuned"}
+        assert all(len(m["answers"]) == 11 for m in models.values())
+        assert summary["needle"][haystack]["original (RoPE)"] == models["original (RoPE)"]["accuracy_by_context"]
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == f"plot: {run / 'evaluation.png'}"
     assert any(line.startswith("prose: fine-tuned vs original at positions < 128: loss ") for line in out)
     assert any(line.startswith("needle in a haystack (prose), converted, fine-tuned: 512") for line in out)
+    assert any(line.startswith("needle in a haystack (held-out), converted, fine-tuned: 512") for line in out)
     # The recipe's stages with RoPE dropped: token shift, output gate and attention transfer while converting,
     # distillation while fine-tuning.
     assert "Attention transfer: 4 steps" in (run / "converted" / "README.md").read_text()
@@ -293,6 +300,10 @@ def test_bad_arguments_are_named_before_any_training(llama_and_corpus, capsys):
     assert ("--copy-spans 1: blocks of --context 128 tokens hold at most 0 copied spans of up to 128 tokens"
             in capsys.readouterr().err)
     with pytest.raises(SystemExit):
+        foxlm(["finetune", *finetune_args(root, "haystack", "--needle-haystacks", "held-out,code")])
+    assert ("--needle-haystacks: 'code' is not a domain this run evaluates on; choose from held-out (--eval-domains "
+            "adds others)" in capsys.readouterr().err)
+    with pytest.raises(SystemExit):
         foxlm(["finetune", *finetune_args(root, "copies", "--copy-spans", "-1")])
     assert "--copy-spans must be 0 or more, got -1" in capsys.readouterr().err
 
@@ -392,3 +403,17 @@ def test_the_model_card_names_the_training_data_as_chosen():
     copies = training_data(finetune.parse_args(["--text-files", "data/notes.txt", "--copy-spans", "2"]))
     assert copies.endswith("; in every training block, 2 spans of 32-128 tokens repeat text from earlier in it")
     assert "repeat text" not in default
+
+
+def test_the_needles_haystack_is_prose_by_default_or_the_first_domain_evaluated():
+    from foxlm import finetune
+
+    for arguments, domains, haystacks in (([], ["code", "docs", "prose"], ["prose"]),
+                                          (["--eval-domains", "code,docs"], ["code", "docs"], ["code"]),
+                                          (["--text-files", "x/*.txt"], ["held-out"], ["held-out"]),
+                                          (["--text-files", "x/*.txt", "--eval-domains", "prose"],
+                                           ["held-out", "prose"], ["prose"]),
+                                          (["--needle-haystacks", "docs,prose"], ["code", "docs", "prose"],
+                                           ["docs", "prose"])):
+        args = finetune.parse_args(arguments)
+        assert finetune.evaluated_domains(args) == domains and finetune.needle_haystacks(args) == haystacks

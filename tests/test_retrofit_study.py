@@ -58,6 +58,12 @@ def test_the_table_gives_prose_worst_bands_inside_and_past_the_originals_context
     row = retrofit_study.table({"r": {"summary": summary}}).splitlines()[-1].split(" | ")
     # 3.36 / 3.2; 3.4 - 3.3; 3.4 / 3.2
     assert row[1:7] == ["10 (1.50 s)", "+3.0%", "71.0%", "+5.0%", "+0.100 nats", "+6.2%"]
+    assert row[7] == "-"  # no needle test
+    summary["needle"] = {"prose": {"converted, fine-tuned": {"2048": 1.0, "16384": 0.25}}}
+    assert retrofit_study.table({"r": {"summary": summary}}).splitlines()[-1].split(" | ")[7] == "2k 100%, 16k 25%"
+    summary["needle"]["docs"] = {"converted, fine-tuned": {"2048": 0.5}}  # haystacks named when there are several
+    row = retrofit_study.table({"r": {"summary": summary}}).splitlines()[-1].split(" | ")
+    assert row[7] == "prose: 2k 100%, 16k 25%; docs: 2k 50%"
 
 
 @pytest.mark.parametrize("gpus", ["cuda:0", "0,,1"])
