@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from foxlm import finetune
+from foxlm.evaluation import accuracy_by_context_text
 
 RECIPES = {
     "default": [],
@@ -185,8 +186,7 @@ def table(runs):
                 if within and int(band.split("-")[0]) >= within]
         past = [change for change in past if change is not None]
         row.append(f"{max(past):+.1%}" if past else "-")
-        haystacks = {haystack: ", ".join(f"{int(c) // 1024}k {a:.0%}" if int(c) >= 1024 else f"{c} {a:.0%}"
-                                         for c, a in models.get(finetune.FINE_TUNED, {}).items())
+        haystacks = {haystack: accuracy_by_context_text(models.get(finetune.FINE_TUNED, {}))
                      for haystack, models in (summary.get("needle") or {}).items()}
         row.append("; ".join(text if len(haystacks) == 1 else f"{haystack}: {text}"
                              for haystack, text in haystacks.items()) or "-")

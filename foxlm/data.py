@@ -405,8 +405,9 @@ def with_copied_spans(blocks, spans_per_block, span_lengths=COPY_SPAN_LENGTHS, s
     range) repeat text from earlier in the same block, for teaching retrieval from far back: packed text seldom
     repeats anything thousands of tokens later, so next-token loss on it rarely rewards looking that far.
 
-    Each copy overwrites the block's own tokens at a place drawn uniformly over the block; its source is drawn
-    uniformly over the text before it, so the distances cover the block. Copies never overlap each other or a
+    Each copy overwrites the block's own tokens from the start of a slot of `longest` tokens drawn uniformly over
+    the block (the first slot excepted); its source is drawn uniformly over the text before it, so the distances
+    cover the block. Copies never overlap each other or a
     source, so every copy in the returned block is exact. Deterministic for a seed; the blocks given are not changed.
     """
     shortest, longest = span_lengths

@@ -392,6 +392,12 @@ def needle_summary(scores, context_lengths, depths, answers=None):
     return summary if answers is None else {**summary, "answers": answers}
 
 
+def accuracy_by_context_text(accuracy_by_context, separator=" "):
+    """`needle_summary`'s accuracy_by_context in a line: "2k 100%, 4k 55%, ..." (lengths under 1k as they are)."""
+    return ", ".join(f"{int(c) // 1024}k{separator}{a:.0%}" if int(c) >= 1024 else f"{c}{separator}{a:.0%}"
+                     for c, a in accuracy_by_context.items())
+
+
 def plot_needle(scores, context_lengths, depths, path, title="Needle in a haystack (easy mode)"):
     """Heatmap of pass (1) / fail (0) over depth (rows) and context length (columns); saved as PNG."""
     fig, ax = pyplot().subplots(figsize=(1 + 0.6 * len(context_lengths), 1 + 0.4 * len(depths)))

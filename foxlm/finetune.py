@@ -876,7 +876,8 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
 def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device):
     """Needle-in-a-haystack accuracy by context length of the original and the fine-tuned model, one test per
     haystack of --needle-haystacks: {haystack: {label: {context length: accuracy}}}, and DIR/needle.json."""
-    from foxlm.evaluation import NEEDLE_DEPTHS, load_causal_lm, needle_in_a_haystack, needle_summary, write_json
+    from foxlm.evaluation import (NEEDLE_DEPTHS, accuracy_by_context_text, load_causal_lm, needle_in_a_haystack,
+                                  needle_summary, write_json)
 
     lengths = [2048 * 2**k for k in range(8) if 2048 * 2**k <= args.eval_length] or [args.eval_length]
     depths = list(NEEDLE_DEPTHS)
@@ -897,9 +898,8 @@ def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device):
                run_dir / "needle.json")
     for domain, models in results.items():
         for label, result in models.items():
-            by_length = ", ".join(f"{int(c) // 1024}k: {a:.0%}" if int(c) >= 1024 else f"{c}: {a:.0%}"
-                                  for c, a in result["accuracy_by_context"].items())
-            print(f"needle in a haystack ({domain}), {label}: {by_length}")
+            print(f"needle in a haystack ({domain}), {label}: "
+                  f"{accuracy_by_context_text(result['accuracy_by_context'], ': ')}")
     return {domain: {label: result["accuracy_by_context"] for label, result in models.items()}
             for domain, models in results.items()}
 
