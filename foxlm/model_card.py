@@ -167,8 +167,8 @@ def training_data(args):
     from .data import COPY_SPAN_LENGTHS, EVAL_PERCENT, TRAINING_DOMAINS
 
     spans, (shortest, longest) = getattr(args, "copy_spans", 0), COPY_SPAN_LENGTHS
-    copied = (f"; in every training block, {spans} spans of {shortest}-{longest} tokens repeat text from earlier in it"
-              if spans else "")
+    copied = (f"; in every training block, {spans} span{'s' * (spans != 1)} of {shortest}-{longest} tokens "
+              f"repeat{'s' * (spans == 1)} text from earlier in it" if spans else "")
     if args.dataset:
         return f"the `{args.dataset}` dataset (train split; the first {EVAL_PERCENT}% held out for evaluation){copied}"
     if args.text_files:

@@ -208,8 +208,8 @@ def test_finetune_packs_blocks_and_compiles_on_a_gpu_only_where_it_can(monkeypat
 
     assert resolved() == (1, False)  # this machine: a CPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolved() == (GPU_MICRO_BATCH, True)  # 4 blocks of 16k: the default step of 64k tokens, one pass
-    assert resolved("--context", "32768") == (2, True)  # as many blocks as the step holds
+    assert resolved() == (2, True)  # 2 blocks of 32k: the default step of 64k tokens, one pass
+    assert resolved("--context", "16384") == (GPU_MICRO_BATCH, True)  # as many blocks as the step holds (4)
     assert resolved("--context", "65536", "--tokens-per-step", "65536") == (1, True)
     assert resolved("--micro-batch-size", "2", "--no-compile") == (2, False)
     assert resolved("--context-parallel", "2") == (1, False)  # one block per pass, eager, under context parallelism
