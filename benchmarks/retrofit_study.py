@@ -95,6 +95,9 @@ RECIPES = {
                                                       "30", "--group-related", "--copy-spans", "64"],
     # The default before 2026-11-29 (noon; 16k blocks) with as large a share of copied tokens as 32 spans in 32k.
     "copy-spans-16": ["--context", "16384", "--kl-weight", "10", "--no-group-related", "--copy-spans", "16"],
+    # Past the original's context, a KL to the original over a sliding window of its context as well (prose past 8k).
+    "kl-past-context-1": ["--kl-weight-past-context", "1"],
+    "kl-past-context-3": ["--kl-weight-past-context", "3"],
     # The GPU default is 4 blocks per pass, compiled: these were the default (before 2026-11-27) and its parts.
     "one-block-per-pass": ["--micro-batch-size", "1", "--no-compile"],
     "micro-batch-4": ["--micro-batch-size", "4", "--no-compile"],

@@ -3,7 +3,9 @@
 A converted model fine-tuned with next-token loss alone learns its training corpus, not the original's behaviour on
 everything else. `DistillationTrainer` adds KL(original || FoX) of the next-token distributions, computed on the fly
 from the original (the teacher: frozen, eval mode, no grad) in the same step, at the positions inside the original's
-trained context. Beyond that context the teacher's predictions are broken, and only the next-token loss applies.
+trained context. Beyond that context the teacher's predictions are broken: there only the next-token loss applies,
+or, with `kl_weight_past_context`, also a KL to the teacher run over a sliding window of its context (`foxlm.evaluation.
+sliding_windows`), the baseline the retrofit is measured against past the original's context.
 
 The language-model head runs in chunks of `chunk_size` tokens under activation checkpointing, so a 16k-token sequence
 never holds its (tokens x vocabulary) logits in fp32 at once, for the student or the teacher.
@@ -25,7 +27,7 @@ IGNORE_INDEX = -100
 
 
 def chunked_distillation_loss(student_hidden, student_head, labels, *, teacher_hidden=None, teacher_head=None,
-                              kl_mask=None, chunk_size=2048, shift_labels=None, kl_only=False):
+                              kl_mask=None, kl_scale=None, chunk_size=2048, shift_labels=None, kl_only=False):
     """Sums over the predicting positions of (next-token loss, KL(teacher || student)) and their counts.
 
     Args:
@@ -33,6 +35,7 @@ def chunked_distillation_loss(student_hidden, student_head, labels, *, teacher_h
         labels: (B, T) target ids, unshifted as for `FoxForCausalLM` (position t predicts labels[t + 1]); -100 ignored.
         teacher_hidden, teacher_head: the teacher's last hidden states and head (no KL term when None).
         kl_mask: (B, T) bool, positions t whose prediction takes the KL term (default: all).
+        kl_scale: (B, T) float, the factor of each position's KL in `kl_sum` (default: 1 everywhere).
         shift_labels: (B, T) targets already shifted (position t predicts shift_labels[t]), instead of `labels`: a
             context-parallel slice from `foxlm.context_parallel.shard_batch`, whose last token predicts the first
             token of the next rank's slice.
@@ -56,6 +59,7 @@ def chunked_distillation_loss(student_hidden, student_head, labels, *, teacher_h
         kl_positions = predicting if kl_mask is None else predicting & kl_mask
 
     ce_targets = targets.masked_fill(kl_positions, IGNORE_INDEX) if kl_only else targets
+    kl_factors = kl_positions if kl_scale is None else kl_positions * kl_scale
 
     def chunk_terms(hidden, target, teacher, use_kl):
         log_probs = F.log_softmax(student_head(hidden).float(), dim=-1)
@@ -69,7 +73,7 @@ def chunked_distillation_loss(student_hidden, student_head, labels, *, teacher_h
 
     ce_sum = kl_sum = student_hidden.new_zeros((), dtype=torch.float32)
     flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
-    hidden, target, kl_flags = flat(student_hidden), flat(ce_targets), flat(kl_positions)
+    hidden, target, kl_flags = flat(student_hidden), flat(ce_targets), flat(kl_factors)
     teacher = flat(teacher_hidden) if with_teacher else None
     for start in range(0, hidden.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
@@ -195,6 +199,49 @@ def teacher_on_documents(teacher_decoder, inputs, teacher_context):
     return hidden
 
 
+def teacher_on_windows(teacher_decoder, inputs, window, windows_per_call=8):
+    """The teacher's last hidden states at the positions of each document from `window` on (zeros elsewhere; None
+    when no document is longer), each position seen through a sliding window of `window` tokens
+    (`foxlm.evaluation.sliding_windows`: between half a window and a window of the tokens before it), as the original
+    is run past its context in the evaluation. Documents are runs of position ids stepping by 1 (transformers' packed
+    sequences), or whole rows without position ids; each window runs as a document of its own (positions from 0),
+    `windows_per_call` of them a batch."""
+    from .evaluation import sliding_windows
+
+    input_ids = inputs["input_ids"]
+    mask = inputs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("The teacher past its context reads documents from packed rows (position ids); it does not "
+                         "take padded batches.")
+    B, T = input_ids.shape
+    positions = inputs.get("position_ids")
+    positions = torch.arange(T, device=input_ids.device) if positions is None else positions
+    starts = teacher_document_starts(positions.expand(B, -1))
+    if bool((positions.expand(B, -1)[starts] != 0).any()):
+        raise ValueError("The teacher past its context needs every document to start at position 0 (a block that "
+                         "continues a document has no prefix to slide the window over).")
+    starts = starts.cpu()
+    passes = []  # (row, start, keep, end) in the row's coordinates
+    for row in range(B):
+        first = torch.nonzero(starts[row]).flatten().tolist()
+        for doc_start, doc_end in zip(first, [*first[1:], T]):
+            passes += [(row, doc_start + start, doc_start + keep, doc_start + end)
+                       for start, keep, end in sliding_windows(doc_end - doc_start, window)]
+    hidden = None
+    for i in range(0, len(passes), windows_per_call):
+        group = passes[i : i + windows_per_call]
+        rows = torch.tensor([row for row, *_ in group], device=input_ids.device)
+        index = torch.tensor([start for _, start, _, _ in group], device=input_ids.device)[:, None] + torch.arange(
+            window, device=input_ids.device)
+        with torch.no_grad():
+            out = teacher_decoder(input_ids=input_ids[rows[:, None], index], use_cache=False).last_hidden_state
+        if hidden is None:
+            hidden = out.new_zeros(B, T, out.shape[-1])
+        for j, (row, start, keep, end) in enumerate(group):
+            hidden[row, keep:end] = out[j, keep - start :]
+    return hidden
+
+
 class DistillationTrainer(Trainer):
     """`Trainer` whose loss is next-token loss plus `kl_weight` x KL(teacher || model) at positions below
     `teacher_context` (position ids, so per document in packed batches).
@@ -206,15 +253,28 @@ class DistillationTrainer(Trainer):
     next tokens), and the next-token loss trains the positions beyond. The two terms are logged
     as `ce` and `kl` (means over the logging interval, summed over processes as the loss is).
 
+    With `kl_weight_past_context` > 0, positions at or beyond `teacher_context` take `kl_weight_past_context` x KL to
+    the teacher run over a sliding window of `teacher_context` tokens (`teacher_on_windows`); the logged `kl` then
+    counts each such position's KL times `kl_weight_past_context / kl_weight`, so that the loss stays ce + kl_weight x
+    kl. Not with context parallelism.
+
     With several processes (DDP, or `ContextParallelDistillationTrainer`) the student runs through the wrapped model
     so that its gradients are reduced, and the loss is scaled by the number of processes as `Trainer` scales its own.
     """
 
     def __init__(self, *args, teacher=None, kl_weight=1.0, teacher_context=None, chunk_size=2048, distill_only=False,
-                 **kwargs):
+                 kl_weight_past_context=0.0, **kwargs):
         super().__init__(*args, **kwargs)
         if not kl_weight >= 0:
             raise ValueError(f"`kl_weight` must be non-negative, got {kl_weight!r}.")
+        if not kl_weight_past_context >= 0:
+            raise ValueError(f"`kl_weight_past_context` must be non-negative, got {kl_weight_past_context!r}.")
+        if kl_weight_past_context and not (kl_weight > 0 and teacher_context):
+            raise ValueError("`kl_weight_past_context` needs a `kl_weight` > 0 and a `teacher_context`: the window "
+                             "the teacher sees past it.")
+        if kl_weight_past_context and distill_only:
+            raise ValueError("`distill_only` keeps the next-token loss past the teacher's context, where "
+                             "`kl_weight_past_context` adds the windowed KL: choose one.")
         if teacher is None and kl_weight > 0:
             raise ValueError("`kl_weight` > 0 needs a `teacher` model.")
         self.teacher = None if teacher is None or kl_weight == 0 else teacher.to(self.args.device).eval()
@@ -223,7 +283,7 @@ class DistillationTrainer(Trainer):
         if distill_only and self.teacher is None:
             raise ValueError("`distill_only` needs a `teacher` and a `kl_weight` > 0.")
         self.kl_weight, self.teacher_context, self.chunk_size = kl_weight, teacher_context, chunk_size
-        self.distill_only = distill_only
+        self.distill_only, self.kl_weight_past_context = distill_only, kl_weight_past_context
         self._terms = {"ce": [], "kl": []}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -233,7 +293,7 @@ class DistillationTrainer(Trainer):
         unwrapped = self.accelerator.unwrap_model(model)
         decoder, head = language_model_parts(unwrapped)
         context_parallel = getattr(decoder, "context_parallel", None)
-        teacher_hidden = teacher_head = kl_mask = None
+        teacher_hidden = teacher_head = kl_mask = kl_scale = None
         # The decoder is called directly, past the model's forward that accelerate wraps in autocast: without this,
         # bf16 training would run in fp32, where FoX's attention has no fast kernel.
         with self.accelerator.autocast():
@@ -248,6 +308,8 @@ class DistillationTrainer(Trainer):
             if self.teacher is not None:
                 teacher_decoder, teacher_head = language_model_parts(self.teacher)
                 if context_parallel is not None:
+                    if self.kl_weight_past_context:
+                        raise ValueError("`kl_weight_past_context` does not go with context parallelism yet.")
                     teacher_hidden, kl_mask = teacher_on_slice(context_parallel, teacher_decoder, inputs,
                                                                shift_labels, self.teacher_context)
                 else:
@@ -257,8 +319,16 @@ class DistillationTrainer(Trainer):
                         if positions is None:
                             positions = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
                         kl_mask = positions < self.teacher_context
+                    past = teacher_on_windows(teacher_decoder, inputs, self.teacher_context) \
+                        if self.kl_weight_past_context else None
+                    if past is not None:
+                        beyond = ~kl_mask.expand(past.shape[:2])
+                        teacher_hidden = past if teacher_hidden is None else torch.where(beyond[..., None], past,
+                                                                                         teacher_hidden)
+                        kl_scale = torch.where(beyond, self.kl_weight_past_context / self.kl_weight, 1.0)
+                        kl_mask = None
             ce, kl, tokens, _ = chunked_distillation_loss(hidden, head, labels, teacher_hidden=teacher_hidden,
-                                                          teacher_head=teacher_head, kl_mask=kl_mask,
+                                                          teacher_head=teacher_head, kl_mask=kl_mask, kl_scale=kl_scale,
                                                           chunk_size=self.chunk_size, shift_labels=shift_labels,
                                                           kl_only=self.distill_only)
         count = num_items_in_batch if num_items_in_batch is not None else tokens.clamp_min(1)

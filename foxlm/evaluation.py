@@ -84,21 +84,30 @@ def loss_and_predictions(model, documents, max_length, device=None, chunk_size=4
         return total / count, count, predictions
 
 
+def sliding_windows(length, window):
+    """The passes of a sliding window over positions [window, length): (start, keep, end) each, a pass over
+    [start, end) of `window` tokens whose positions [keep, end) it keeps. Passes move by half a window, so every
+    kept position sees between half a window and a window of the tokens before it."""
+    passes, done = [], window
+    while done < length:
+        end = min(done + window // 2, length)
+        passes.append((end - window, done, end))
+        done = end
+    return passes
+
+
 def last_hidden_states(model, ids, window=None):
     """The base model's last hidden state at each position of `ids` (1, T), as a (T, hidden) tensor. With `window`
-    (T > window), a sliding window: the first `window` positions in one pass, then passes of `window` tokens that
-    move by half a window and keep their last half, so every position sees between half a window and a window of
-    the tokens before it (a position of the first window sees all of them, as without a window)."""
+    (T > window), a sliding window: the first `window` positions in one pass, then the passes of `sliding_windows`
+    (a position of the first window sees all the tokens before it, as without a window)."""
     def forward(part):
         return model.base_model(input_ids=part, use_cache=False).last_hidden_state[0]
 
     if window is None or ids.shape[1] <= window:
         return forward(ids)
-    parts, done = [forward(ids[:, :window])], window
-    while done < ids.shape[1]:
-        end = min(done + window // 2, ids.shape[1])
-        parts.append(forward(ids[:, end - window : end])[done - end :])
-        done = end
+    parts = [forward(ids[:, :window])]
+    for start, keep, end in sliding_windows(ids.shape[1], window):
+        parts.append(forward(ids[:, start:end])[keep - start :])
     return torch.cat(parts)
 
 

@@ -220,6 +220,11 @@ def build_parser(prog=None):
     training.add_argument("--kl-weight", type=float, default=30.0,
                           help="weight of KL(original || FoX) added to the next-token loss at positions inside "
                                "the original's context; 0 trains on next-token loss alone (default: %(default)s)")
+    training.add_argument("--kl-weight-past-context", type=float, default=0.0, metavar="W",
+                          help="weight of a KL at the positions beyond the original's context, to the original run "
+                               "over a sliding window of its context (the baseline the evaluation compares with "
+                               "there); 0: the next-token loss alone past the context (default: %(default)s; not "
+                               "with context parallelism)")
     training.add_argument("--distill-only", action="store_true",
                           help="inside the original's context, train on the KL alone, without the next-token loss: "
                                "the model follows the original there rather than the training text (past it, the "
@@ -305,6 +310,14 @@ def check_args(parser, args):
         parser.error(f"--kl-weight must be 0 or a positive number, got {args.kl_weight}")
     if not (args.sample_temperature > 0 and math.isfinite(args.sample_temperature)):
         parser.error(f"--sample-temperature must be a positive number, got {args.sample_temperature}")
+    if not (args.kl_weight_past_context >= 0 and math.isfinite(args.kl_weight_past_context)):
+        parser.error(f"--kl-weight-past-context must be 0 or a positive number, got {args.kl_weight_past_context}")
+    if args.kl_weight_past_context and (not args.kl_weight or args.distill_only):
+        parser.error("--kl-weight-past-context adds a KL past the original's context to one inside it: it needs a "
+                     "--kl-weight above 0 and does not go with --distill-only (which keeps the next-token loss alone "
+                     "there)")
+    if args.kl_weight_past_context and ((args.context_parallel or 1) > 1 or launched_processes() > 1):
+        parser.error("--kl-weight-past-context does not go with context parallelism (torchrun) yet")
     if args.distill_only and not args.kl_weight:
         parser.error("--distill-only trains on the KL term alone inside the original's context: it needs a "
                      "--kl-weight above 0")
@@ -558,7 +571,7 @@ TRAINING_OPTIONS = ("model", "text_files", "dataset", "text_column", "train_doma
                     "output_gate", "transfer_steps", "transfer_qk_rank", "transfer_lr", "transfer_length",
                     "transfer_batch_size", "context", "steps", "tokens_per_step", "micro_batch_size",
                     "context_parallel", "processes", "full", "lora_r", "lora_modules", "lr", "warmup_steps",
-                    "kl_weight", "distill_only", "teacher_context")
+                    "kl_weight", "kl_weight_past_context", "distill_only", "teacher_context")
 
 
 def training_options(args, processes):
@@ -615,6 +628,8 @@ def recorded_options(run_dir):
         options["group_related"] = False
     if "context" in options and "copy_spans" not in options:  # recorded before --copy-spans: none
         options["copy_spans"] = 0
+    if "kl_weight" in options and "kl_weight_past_context" not in options:  # recorded before it: none
+        options["kl_weight_past_context"] = 0.0
     return options
 
 
@@ -788,6 +803,8 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
         if args.kl_weight else "next-token loss"
     if args.distill_only:
         loss_text = f"{args.kl_weight:g} x KL to the original below position {context}, next-token loss beyond"
+    if args.kl_weight_past_context:
+        loss_text += f", {args.kl_weight_past_context:g} x KL to the original over a sliding window of {context} beyond"
     parallel_text = f", each sequence split over {args.context_parallel} processes" \
         if args.context_parallel > 1 else ""
     step_tokens = accumulation * groups * args.micro_batch_size * args.context
@@ -802,7 +819,8 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
     trainer = trainer_class(model=trainable, args=training_args, train_dataset=examples,
                             data_collator=DataCollatorWithFlattening(), optimizers=(optimizer, scheduler),
                             callbacks=[budget], teacher=teacher, kl_weight=args.kl_weight, teacher_context=context,
-                            distill_only=args.distill_only, **parallel)
+                            distill_only=args.distill_only, kl_weight_past_context=args.kl_weight_past_context,
+                            **parallel)
     saved = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json")) if checkpoint else None
     if saved is not None and saved.global_step >= args.steps:
         # Trainer would run one more step before it saw that none is left (it checks after each step).

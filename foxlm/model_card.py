@@ -190,6 +190,9 @@ def fine_tuning_facts(converted_dir, trainer, args):
     if getattr(args, "distill_only", False):
         objective = (f"{kl_weight:g} x KL(original || FoX) of the next-token distributions alone at positions inside "
                      "the original's context, next-token loss beyond")
+    if getattr(args, "kl_weight_past_context", 0):
+        objective += (f"; beyond it, {args.kl_weight_past_context:g} x KL to the original run over a sliding window of "
+                      "its context")
     losses = [(entry["step"], entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
     conversion_text = (Path(converted_dir) / "README.md").read_text()
     tokens = trainer.args.gradient_accumulation_steps * trainer.args.per_device_train_batch_size * args.context

@@ -7,7 +7,8 @@ from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausal
 from foxlm import fox_lora_config
 from foxlm.conversion import fox_from_llama
 from foxlm.distillation import (MAX_TEACHER_CALLS, DistillationTrainer, chunked_distillation_loss,
-                                sample_documents, teacher_on_documents)
+                                sample_documents, teacher_on_documents, teacher_on_windows)
+from foxlm.evaluation import last_hidden_states
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
@@ -189,6 +190,63 @@ def test_the_teacher_takes_the_whole_row_when_its_documents_come_in_many_lengths
     assert calls == [positions.shape]
     with torch.no_grad():
         torch.testing.assert_close(hidden, teacher(**batch, use_cache=False).last_hidden_state)
+
+
+@pytest.mark.parametrize("windows_per_call", [1, 2, 8])
+def test_the_teacher_past_its_context_is_the_evaluations_sliding_window_per_document(windows_per_call):
+    """Each packed document longer than the window gets, from the window on, the hidden states of the original run
+    over a sliding window (the evaluation's `last_hidden_states`), zeros elsewhere; rows without position ids are
+    one document each."""
+    llama, window = tiny_llama(), 8
+    teacher = llama.model
+    lengths = [20, 7, 26, 9]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    ids = torch.randint(0, TINY["vocab_size"], positions.shape)
+    hidden = teacher_on_windows(teacher, {"input_ids": ids, "position_ids": positions}, window, windows_per_call)
+    expected, start = torch.zeros_like(hidden[0]), 0
+    for n in lengths:
+        with torch.no_grad():
+            doc = last_hidden_states(llama, ids[:, start : start + n], window)
+        expected[start + window : start + n] = doc[window:]
+        start += n
+    torch.testing.assert_close(hidden[0], expected, rtol=1e-5, atol=1e-5)
+    rows = torch.randint(0, TINY["vocab_size"], (2, 21))
+    unpacked = teacher_on_windows(teacher, {"input_ids": rows}, window, windows_per_call)
+    with torch.no_grad():
+        for row in range(2):
+            torch.testing.assert_close(unpacked[row, window:], last_hidden_states(llama, rows[row : row + 1],
+                                                                                 window)[window:])
+    assert teacher_on_windows(teacher, {"input_ids": rows[:, :window]}, window) is None
+    with pytest.raises(ValueError, match="start at position 0"):
+        teacher_on_windows(teacher, {"input_ids": ids[:, :5], "position_ids": torch.arange(3, 8)[None]}, 2)
+
+
+def test_the_kl_past_the_context_adds_its_weight_times_the_windowed_teachers_kl(tmp_path):
+    """kl_weight_past_context w: the loss grows by w x KL(windowed teacher || student) summed over the positions at or
+    beyond the teacher's context, over the same token count (float64 direct computation); inside it nothing moves."""
+    context, weight = 6, 2.5
+    trainer, teacher = make_trainer(tmp_path, kl_weight=3.0, teacher_context=context, lora=False)
+    examples = packed_examples()[:2]
+    batch = DataCollatorWithFlattening()(examples)
+    model = trainer.model
+    with torch.no_grad():
+        base = trainer.compute_loss(model, batch)
+        trainer.kl_weight_past_context = weight
+        with_past = trainer.compute_loss(model, batch)
+        past_kl, count = 0.0, 0
+        for example in examples:
+            ids = torch.tensor([example["input_ids"]])
+            student = model(input_ids=ids).logits
+            windowed = teacher.lm_head(last_hidden_states(teacher, ids, context))[None]
+            beyond = torch.arange(ids.shape[1])[None] >= context
+            _, kl, tokens, _ = direct_terms(student, windowed, ids, beyond)
+            past_kl, count = past_kl + kl, count + tokens
+    assert past_kl > 0
+    torch.testing.assert_close(with_past.double() - base.double(), weight * past_kl / count, rtol=1e-4, atol=1e-6)
+    for settings, message in (({"kl_weight": 0.0}, "needs a `kl_weight` > 0"), ({"distill_only": True}, "choose one")):
+        with pytest.raises(ValueError, match=message):
+            make_trainer(tmp_path, **{"kl_weight": 1.0, "teacher_context": context, "kl_weight_past_context": 1.0,
+                                      **settings})
 
 
 def test_blocks_packed_into_one_pass_give_the_loss_and_gradients_of_one_pass_each(tmp_path):

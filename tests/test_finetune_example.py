@@ -401,6 +401,34 @@ def test_the_defaults_copy_one_span_per_512_tokens_keep_related_files_together_a
     assert finetune.parse_args(["--copy-spans", "0", "--no-group-related"]).copy_spans == 0
 
 
+def test_a_kl_past_the_originals_context_trains_recorded_and_named(llama_and_corpus, capsys, monkeypatch):
+    from foxlm import finetune
+
+    root = llama_and_corpus
+    foxlm(["finetune", *finetune_args(root, "past", "--kl-weight-past-context", "2", "--teacher-context", "48",
+                                      "--steps", "2", "--skip-eval", "--teacher-samples", "0")])
+    out = capsys.readouterr().out
+    assert "30 x KL to the original below position 48, 2 x KL to the original over a sliding window of 48 beyond" in out
+    run = root / "past"
+    assert json.loads((run / "training_options.json").read_text())["options"]["kl_weight_past_context"] == 2
+    card = (run / "fine-tuned" / "README.md").read_text()
+    assert "beyond it, 2 x KL to the original run over a sliding window" in card
+    logged = [entry for entry in json.loads((run / "train_log.json").read_text()) if "loss" in entry]
+    assert logged and all(abs(entry["loss"] - entry["ce"] - 30 * entry["kl"]) < 2e-3 for entry in logged), logged
+    # A run recorded before the option resumes without it.
+    from foxlm.evaluation import write_json
+
+    write_json({"options": {"model": "m", "kl_weight": 10.0}}, run / finetune.OPTIONS_FILE)
+    assert finetune.recorded_options(run)["kl_weight_past_context"] == 0
+    for arguments, message in ((["--kl-weight-past-context", "-1"], "must be 0 or a positive number, got -1"),
+                               (["--kl-weight-past-context", "1", "--kl-weight", "0"], "needs a --kl-weight above 0"),
+                               (["--kl-weight-past-context", "1", "--distill-only"], "does not go with --distill-only"),
+                               (["--kl-weight-past-context", "1", "--context-parallel", "2"], "context parallelism")):
+        with pytest.raises(SystemExit):
+            finetune.parse_args(arguments)
+        assert message in " ".join(capsys.readouterr().err.split())  # argparse wraps the message
+
+
 def test_the_model_card_names_the_training_data_as_chosen():
     from foxlm import finetune
     from foxlm.model_card import training_data
