@@ -9,7 +9,8 @@ benchmarks/results/retrofit_study_<device>_<date>_<recipes>.json, and a Markdown
 printed. With `--gpus 0,1,2,3` the recipes run at the same time, one per GPU (each in its own process, its output in
 DIR/<recipe>.log; a GPU takes the next recipe when one ends), and one JSON holds them all. A GPU named twice
 (`--gpus 0,1,0,1`) runs two recipes at once. The recipes that sample from the original alike share the first one's
-samples (`--samples-from`): they start once it has saved them.
+samples: they start once it has saved them; samples given with `--samples-from` (another run's teacher_samples.npz)
+serve them all from the start.
 """
 
 import argparse
@@ -229,12 +230,15 @@ def run_recipes_on_gpus(recipes, args, gpus, save):
     output.mkdir(parents=True, exist_ok=True)
     pending, running, runs = list(recipes), {}, {}
     sampler = recipes[0]
-    samples, sampler_started = output / sampler / finetune.SAMPLES_FILE, time.time()
+    # Samples given (--samples-from) stand for the first recipe's; without them the first recipe samples for the others.
+    given = args.samples_from is not None
+    samples = Path(args.samples_from) if given else output / sampler / finetune.SAMPLES_FILE
+    sampler_started = time.time()
     samples_options = sampling_options([*RECIPES[sampler], *args.finetune_args])
     samples_wanted = ("--teacher-samples", "0") not in samples_options
 
-    def sampled():  # by this study's sampler, not an earlier study in this folder
-        return samples.exists() and samples.stat().st_mtime >= sampler_started
+    def sampled():  # given, or by this study's sampler, not an earlier study in this folder
+        return given or (samples.exists() and samples.stat().st_mtime >= sampler_started)
 
     def ready(name):
         if name == sampler or not samples_wanted or sampled():
@@ -247,14 +251,15 @@ def run_recipes_on_gpus(recipes, args, gpus, save):
             if slot in running or not pending or not ready(pending[0]):
                 continue
             name = pending.pop(0)
-            reuse = name != sampler and sampled() and (
+            reuse = (given or name != sampler) and sampled() and (
                 sampling_options([*RECIPES[name], *args.finetune_args]) == samples_options)
             command = [sys.executable, __file__, "--recipes", name, "--minutes", str(args.minutes),
                        "--output-dir", str(output), "--results", str(output / f"{name}.result"),
                        *(["--model", args.model] if args.model else []),
                        *(["--samples-from", str(samples)] if reuse else []), "--", *args.finetune_args]
             log = open(output / f"{name}.log", "w")
-            print(f"{name}: GPU {gpu}, output in {log.name}" + (", the samples of " + sampler if reuse else ""))
+            print(f"{name}: GPU {gpu}, output in {log.name}"
+                  + ((f", the samples in {samples}" if given else f", the samples of {sampler}") if reuse else ""))
             running[slot] = (name, log, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)))
         time.sleep(5)
@@ -287,7 +292,7 @@ def main():
                              "bandwidth; the JSON says which ran where)")
     parser.add_argument("--samples-from", default=None, metavar="FILE",
                         help="the teacher samples another run saved (its teacher_samples.npz), used instead of "
-                             "sampling from the original again; --gpus passes it to the recipes that sample alike")
+                             "sampling from the original again, by every recipe that samples as the first one does")
     parser.add_argument("finetune_args", nargs=argparse.REMAINDER,
                         help="after --: options given to every recipe (e.g. -- --eval-length 16384)")
     args = parser.parse_args()

@@ -334,7 +334,7 @@ def run_needle(args):
     import torch
 
     from foxlm.data import DOMAIN_ALIASES, DOMAINS
-    from foxlm.evaluation import NEEDLE_DEPTHS, load_causal_lm, needle_haystack, needle_in_a_haystack, needle_summary
+    from foxlm.evaluation import NEEDLE_DEPTHS, load_causal_lm, needle_haystack, needle_over_haystacks, needle_summary
     from foxlm.evaluation import plot_needle, write_json
 
     json_path, png_path = eval_output_paths(args, "needle.json", "needle.png")
@@ -345,22 +345,27 @@ def run_needle(args):
     length = max(args.context_lengths)
     if args.data in DOMAINS or args.data in DOMAIN_ALIASES:
         try:
-            haystack = needle_haystack(tokenizer, length, args.data, corpus_dir=args.corpus_dir)
+            haystacks = needle_haystack(tokenizer, length, args.data, corpus_dir=args.corpus_dir, count=args.haystacks)
         except (FileNotFoundError, ValueError) as error:
             sys.exit(f"error: --data {args.data}: {error}")
+        haystacks = [haystacks] if args.haystacks == 1 else haystacks
     else:
-        haystack = [t for doc in documents_for_eval(args, tokenizer, length, args.data) for t in doc]
-    if len(haystack) < length:
-        raise FoxlmError(f"--data {args.data} gives a haystack of {len(haystack)} tokens, fewer than the longest of "
-                         f"--context-lengths ({length}); lower it or give more documents.")
-    scores, answers = needle_in_a_haystack(model, tokenizer, haystack, args.context_lengths, args.depths,
-                                           with_answers=True)
+        stream = [t for doc in documents_for_eval(args, tokenizer, length, args.data) for t in doc]
+        if len(stream) < length * args.haystacks:
+            longest = f"the longest of --context-lengths ({length})"
+            wanted, lower = (longest, "it") if args.haystacks == 1 else (f"--haystacks {args.haystacks} x {longest}",
+                                                                          "them")
+            raise FoxlmError(f"--data {args.data} gives {len(stream)} tokens, fewer than {wanted}; lower {lower} or "
+                             "give more documents.")
+        haystacks = [stream[i * length : (i + 1) * length] for i in range(args.haystacks)]
+    scores, answers = needle_over_haystacks(model, tokenizer, haystacks, args.context_lengths, args.depths)
     summary = needle_summary(scores, args.context_lengths, args.depths, answers)
     write_json({"model": str(args.model), "data": args.data, **summary}, json_path)
-    plot_needle(scores, args.context_lengths, args.depths, png_path, title=f"Needle in a haystack: {args.model}")
+    plot_needle(summary["scores"], args.context_lengths, args.depths, png_path,
+                title=f"Needle in a haystack: {args.model}")
     by_context = ", ".join(f"{c}: {a:.2f}" for c, a in summary["accuracy_by_context"].items())
-    print(f"accuracy {scores.mean():.2f} over {scores.size} trials (by context length: {by_context}); wrote "
-          f"{json_path} and {png_path}")
+    print(f"accuracy {scores.mean():.2f} over {scores.size} trials in {args.haystacks} haystack"
+          f"{'s' if args.haystacks > 1 else ''} (by context length: {by_context}); wrote {json_path} and {png_path}")
 
 
 def at_least(minimum):
@@ -495,7 +500,8 @@ def add_eval_commands(commands):
                     "question, and a trial passes when greedy decoding completes the answer. The haystack is\n"
                     "cut from the --data documents (default: held-out prose).\n\n"
                     "example:\n"
-                    "  foxlm eval needle my-fox --context-lengths 2048,4096,8192,16384,32768 --depths 0,0.5,1",
+                    "  foxlm eval needle my-fox --context-lengths 2048,4096,8192,16384,32768 --depths 0,0.5,1\n"
+                    "  foxlm eval needle my-fox --context-lengths 4096,16384 --haystacks 3  # 33 trials a length",
     )
     needle.add_argument("model", metavar="MODEL")
     needle.add_argument("--context-lengths", type=int_list, default=[1024, 2048, 4096, 8192],
@@ -503,6 +509,9 @@ def add_eval_commands(commands):
     needle.add_argument("--depths", type=depth_list, default=None,
                         help="comma-separated needle depths, 0 = start of the haystack (default: every tenth, "
                              "0,0.1,...,1)")
+    needle.add_argument("--haystacks", type=at_least(1), default=1, metavar="N",
+                        help="test in N haystacks, each from another part of --data; a cell's score is the fraction "
+                             "of them passed (default: %(default)s)")
     add_data_args(needle, num_docs=64, default="prose", several=False)
     needle.set_defaults(func=run_needle)
 

@@ -308,8 +308,6 @@ class DistillationTrainer(Trainer):
             if self.teacher is not None:
                 teacher_decoder, teacher_head = language_model_parts(self.teacher)
                 if context_parallel is not None:
-                    if self.kl_weight_past_context:
-                        raise ValueError("`kl_weight_past_context` does not go with context parallelism yet.")
                     teacher_hidden, kl_mask = teacher_on_slice(context_parallel, teacher_decoder, inputs,
                                                                shift_labels, self.teacher_context)
                 else:
@@ -366,6 +364,11 @@ class ContextParallelDistillationTrainer(ContextParallelTrainer, DistillationTra
         ContextParallelDistillationTrainer(model=fox, args=..., teacher=llama, teacher_context=8192,
                                            context_parallel_size=4)   # under torchrun
     """
+
+    def __init__(self, *args, kl_weight_past_context=0.0, **kwargs):
+        if kl_weight_past_context:  # the sliding windows would need the whole sequence on each rank
+            raise ValueError("`kl_weight_past_context` does not go with context parallelism yet.")
+        super().__init__(*args, **kwargs)
 
 
 @torch.no_grad()

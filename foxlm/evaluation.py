@@ -383,22 +383,44 @@ def needle_in_a_haystack(model, tokenizer, haystack_ids, context_lengths, depths
     return (scores, answers) if with_answers else scores
 
 
-def needle_haystack(tokenizer, length, domain="prose", corpus_dir=None):
+def needle_over_haystacks(model, tokenizer, haystacks, context_lengths, depths, device=None):
+    """`needle_in_a_haystack` in each of `haystacks` (token id lists), as `needle_summary` takes them: scores of
+    shape (haystacks, depths, context lengths) and the answers nested alike. One haystack is a thin test (a depth
+    moves a length's score by a ninth); several make it firmer."""
+    results = [needle_in_a_haystack(model, tokenizer, haystack, context_lengths, depths, device, with_answers=True)
+               for haystack in haystacks]
+    return np.stack([scores for scores, _ in results]), [answers for _, answers in results]
+
+
+def needle_haystack(tokenizer, length, domain="prose", corpus_dir=None, count=1):
     """`length` token ids of a domain's held-out text ("prose", "docs", "code"; see `foxlm.data`), the filler that
-    `needle_in_a_haystack` cuts its prompts from."""
+    `needle_in_a_haystack` cuts its prompts from; with `count` > 1 a list of that many, from documents spread over
+    the held-out text (the first is the one of `count=1`)."""
     from .data import held_out_documents
 
-    return held_out_documents(tokenizer, domain, length, num_docs=1, corpus_dir=corpus_dir)[0]
+    haystacks = held_out_documents(tokenizer, domain, length, num_docs=count, corpus_dir=corpus_dir)
+    if len(haystacks) < count:
+        raise ValueError(f"the held-out {domain} text gives {len(haystacks)} haystacks of {length} tokens, not {count}")
+    return haystacks[0] if count == 1 else haystacks
 
 
 def needle_summary(scores, context_lengths, depths, answers=None):
     """The JSON-ready result of `needle_in_a_haystack`: the score grid, the overall accuracy, the accuracy at each
-    context length (over depths) and, when given, the generated answers."""
+    context length (over depths) and, when given, the generated answers. Scores of several haystacks
+    (`needle_over_haystacks`) give the fraction of haystacks passed in each cell of the grid, and each haystack's
+    grid and answers as "scores_by_haystack" and "answers_by_haystack"; of one, the summary of that one."""
     scores = np.asarray(scores)
-    summary = {"context_lengths": list(context_lengths), "depths": list(depths), "scores": scores.tolist(),
+    if scores.ndim == 3 and len(scores) == 1:
+        scores, answers = scores[0], None if answers is None else answers[0]
+    grid = scores.mean(0) if scores.ndim == 3 else scores
+    summary = {"context_lengths": list(context_lengths), "depths": list(depths), "scores": grid.tolist(),
                "accuracy": float(scores.mean()),
-               "accuracy_by_context": {str(c): float(scores[:, i].mean()) for i, c in enumerate(context_lengths)}}
-    return summary if answers is None else {**summary, "answers": answers}
+               "accuracy_by_context": {str(c): float(grid[:, i].mean()) for i, c in enumerate(context_lengths)}}
+    if scores.ndim == 3:
+        summary.update(haystacks=len(scores), scores_by_haystack=scores.tolist())
+    if answers is not None:
+        summary["answers_by_haystack" if scores.ndim == 3 else "answers"] = answers
+    return summary
 
 
 def accuracy_by_context_text(accuracy_by_context, separator=" "):
@@ -408,7 +430,8 @@ def accuracy_by_context_text(accuracy_by_context, separator=" "):
 
 
 def plot_needle(scores, context_lengths, depths, path, title="Needle in a haystack (easy mode)"):
-    """Heatmap of pass (1) / fail (0) over depth (rows) and context length (columns); saved as PNG."""
+    """Heatmap of pass (1) / fail (0), or the fraction of haystacks passed, over depth (rows) and context length
+    (columns); saved as PNG."""
     fig, ax = pyplot().subplots(figsize=(1 + 0.6 * len(context_lengths), 1 + 0.4 * len(depths)))
     ax.imshow(scores, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(len(context_lengths)), [f"{c // 1024}k" if c >= 1024 else str(c) for c in context_lengths])

@@ -255,6 +255,10 @@ def build_parser(prog=None):
     evaluation.add_argument("--needle-haystacks", default=None, metavar="LIST",
                             help="comma-separated held-out domains to cut the needle's haystacks from, one test each "
                                  "(default: prose, or the first domain evaluated when prose is not)")
+    evaluation.add_argument("--needle-docs", type=int, default=1, metavar="N",
+                            help="test the needle in N held-out documents of each haystack domain, spread over "
+                                 "--eval-docs; a length's score is the fraction passed over all of them "
+                                 "(default: %(default)s)")
     return parser
 
 
@@ -280,7 +284,7 @@ def check_args(parser, args):
         args.compile = fast_path
     for name in ("context", "steps", "tokens_per_step", "micro_batch_size", "lora_r", "save_steps", "eval_length",
                  "eval_docs", "transfer_length", "transfer_batch_size", "min_documents", "sample_length",
-                 "sample_batch_size", "context_parallel"):
+                 "sample_batch_size", "context_parallel", "needle_docs"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.copy_spans is None:
@@ -351,6 +355,9 @@ def check_args(parser, args):
         if unknown:
             parser.error(f"--needle-haystacks: {', '.join(map(repr, unknown))} is not a domain this run evaluates "
                          f"on; choose from {', '.join(evaluated_domains(args))} (--eval-domains adds others)")
+    if args.needle and not args.skip_eval and args.needle_docs > args.eval_docs:
+        parser.error(f"--needle-docs {args.needle_docs}: the needle's haystacks are among the --eval-docs "
+                     f"{args.eval_docs} held-out documents")
     if args.teacher_context is not None and args.teacher_context < 1:
         parser.error(f"--teacher-context must be at least 1, got {args.teacher_context}")
     return args
@@ -902,19 +909,24 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
 def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device):
     """Needle-in-a-haystack accuracy by context length of the original and the fine-tuned model, one test per
     haystack of --needle-haystacks: {haystack: {label: {context length: accuracy}}}, and DIR/needle.json."""
-    from foxlm.evaluation import (NEEDLE_DEPTHS, accuracy_by_context_text, load_causal_lm, needle_in_a_haystack,
+    from foxlm.data import evenly_spaced
+    from foxlm.evaluation import (NEEDLE_DEPTHS, accuracy_by_context_text, load_causal_lm, needle_over_haystacks,
                                   needle_summary, write_json)
 
     lengths = [2048 * 2**k for k in range(8) if 2048 * 2**k <= args.eval_length] or [args.eval_length]
     depths = list(NEEDLE_DEPTHS)
-    haystacks = {domain: [token for document in held_out[domain] for token in document]
-                 for domain in needle_haystacks(args)}
+    haystacks = {domain: evenly_spaced(held_out[domain], args.needle_docs) for domain in needle_haystacks(args)}
+    for domain, documents in haystacks.items():
+        if len(documents) < args.needle_docs:
+            print(f"needle test skipped: --needle-docs {args.needle_docs}, but the held-out {domain} text gives "
+                  f"{len(documents)} documents of {args.eval_length} tokens")
+            return None
     results = {domain: {} for domain in haystacks}
     for label, source in {**originals, FINE_TUNED: fine_tuned_dir}.items():
         model, tokenizer = load_causal_lm(source, dtype=dtype, device=device)
-        for domain, haystack in haystacks.items():
+        for domain, documents in haystacks.items():
             try:
-                scores, answers = needle_in_a_haystack(model, tokenizer, haystack, lengths, depths, with_answers=True)
+                scores, answers = needle_over_haystacks(model, tokenizer, documents, lengths, depths)
             except ValueError as error:
                 print(f"needle test skipped: {error}")
                 return None
@@ -922,9 +934,10 @@ def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device):
         del model
     write_json({"haystacks": {domain: {"models": models} for domain, models in results.items()}},
                run_dir / "needle.json")
+    several = f", {args.needle_docs} documents" if args.needle_docs > 1 else ""
     for domain, models in results.items():
         for label, result in models.items():
-            print(f"needle in a haystack ({domain}), {label}: "
+            print(f"needle in a haystack ({domain}{several}), {label}: "
                   f"{accuracy_by_context_text(result['accuracy_by_context'], ': ')}")
     return {domain: {label: result["accuracy_by_context"] for label, result in models.items()}
             for domain, models in results.items()}

@@ -146,6 +146,19 @@ def test_eval_needle_writes_a_score_grid_and_heatmap(saved_models):
     assert (out / "needle.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_eval_needle_in_several_haystacks_cut_one_after_another_from_the_data(saved_models, capsys):
+    out, data = saved_models / "needles", str(saved_models / "docs" / "*.txt")
+    main(["eval", "needle", str(saved_models / "fox"), "--data", data, "--context-lengths", "300", "--depths", "0,1",
+          "--haystacks", "2", "--output-dir", str(out)])
+    result = json.loads((out / "needle.json").read_text())
+    assert result["haystacks"] == 2 and np.array(result["scores_by_haystack"]).shape == (2, 2, 1)
+    np.testing.assert_allclose(result["scores"], np.mean(result["scores_by_haystack"], axis=0))
+    assert "in 2 haystacks" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="fewer than --haystacks 1000 x the longest of --context-lengths"):
+        main(["eval", "needle", str(saved_models / "fox"), "--data", data, "--context-lengths", "300",
+              "--haystacks", "1000", "--output-dir", str(saved_models / "too-many"), "--force"])
+
+
 def test_eval_needle_cuts_its_haystack_from_held_out_prose_at_every_tenth_of_it_by_default(saved_models):
     out = saved_models / "needle-prose"
     main(["eval", "needle", str(saved_models / "fox"), "--context-lengths", "300,600", "--output-dir", str(out)])

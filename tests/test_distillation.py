@@ -6,8 +6,8 @@ from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausal
 
 from foxlm import fox_lora_config
 from foxlm.conversion import fox_from_llama
-from foxlm.distillation import (MAX_TEACHER_CALLS, DistillationTrainer, chunked_distillation_loss,
-                                sample_documents, teacher_on_documents, teacher_on_windows)
+from foxlm.distillation import (MAX_TEACHER_CALLS, ContextParallelDistillationTrainer, DistillationTrainer,
+                                chunked_distillation_loss, sample_documents, teacher_on_documents, teacher_on_windows)
 from foxlm.evaluation import last_hidden_states
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -274,6 +274,14 @@ def test_a_kl_weight_without_teacher_is_refused(tmp_path):
         DistillationTrainer(model=fox_from_llama(tiny_llama()), args=args, kl_weight=1.0)
     with pytest.raises(ValueError, match="distill_only"):
         DistillationTrainer(model=fox_from_llama(tiny_llama()), args=args, kl_weight=0.0, distill_only=True)
+
+
+def test_a_kl_past_the_context_with_context_parallelism_is_refused_at_construction(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with pytest.raises(ValueError, match="kl_weight_past_context.*context parallelism"):
+        ContextParallelDistillationTrainer(model=fox_from_llama(tiny_llama()), args=args, teacher=tiny_llama(),
+                                           kl_weight=1.0, teacher_context=48, kl_weight_past_context=1.0,
+                                           context_parallel_size=1)
 
 
 def test_the_loss_runs_under_the_trainers_mixed_precision(tmp_path, monkeypatch):

@@ -306,6 +306,10 @@ def test_bad_arguments_are_named_before_any_training(llama_and_corpus, capsys):
     with pytest.raises(SystemExit):
         foxlm(["finetune", *finetune_args(root, "copies", "--copy-spans", "-1")])
     assert "--copy-spans must be 0 or more, got -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        foxlm(["finetune", *finetune_args(root, "needles", "--needle-docs", "4")])
+    assert ("--needle-docs 4: the needle's haystacks are among the --eval-docs 3 held-out documents"
+            in capsys.readouterr().err)
 
 
 def test_train_domains_choose_the_default_corpora_that_train(monkeypatch, capsys):
@@ -401,7 +405,18 @@ def test_the_defaults_copy_one_span_per_512_tokens_keep_related_files_together_a
     assert finetune.parse_args(["--copy-spans", "0", "--no-group-related"]).copy_spans == 0
 
 
-def test_a_kl_past_the_originals_context_trains_recorded_and_named(llama_and_corpus, capsys, monkeypatch):
+def test_the_needle_in_several_held_out_documents_scores_the_fraction_passed(llama_and_corpus, capsys):
+    root = llama_and_corpus
+    foxlm(["finetune", *finetune_args(root, "needles", "--steps", "1", "--teacher-samples", "0", "--skip-original",
+                                      "--eval-domains", "prose", "--eval-length", "512", "--needle-docs", "2")])
+    [model] = json.loads((root / "needles" / "needle.json").read_text())["haystacks"]["prose"]["models"].values()
+    assert model["haystacks"] == 2 and np.array(model["scores_by_haystack"]).shape == (2, 11, 1)
+    np.testing.assert_allclose(model["scores"], np.mean(model["scores_by_haystack"], axis=0))
+    assert np.array(model["answers_by_haystack"]).shape == (2, 11, 1)
+    assert "needle in a haystack (prose, 2 documents), converted, fine-tuned: 512: " in capsys.readouterr().out
+
+
+def test_a_kl_past_the_originals_context_trains_recorded_and_named(llama_and_corpus, capsys):
     from foxlm import finetune
 
     root = llama_and_corpus

@@ -30,6 +30,7 @@ from foxlm.evaluation import (
     format_report,
     needle_haystack,
     needle_in_a_haystack,
+    needle_over_haystacks,
     needle_summary,
     per_token_loss,
     plot_needle,
@@ -253,6 +254,41 @@ def test_needle_scores_have_one_cell_per_depth_and_context(make_config):
     assert summary["answers"] == answers and json.loads(json.dumps(summary)) == summary
     with pytest.raises(ValueError, match="does not fit"):
         needle_in_a_haystack(model, tokenizer, haystack, context_lengths=[50], depths=[0.5])
+
+
+def test_the_needle_in_several_haystacks_keeps_each_and_scores_the_fraction_passed(make_config):
+    from foxlm import FoxForCausalLM
+
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    model = FoxForCausalLM(make_config(vocab_size=258, bos_token_id=256, eos_token_id=257, pad_token_id=257)).eval()
+    haystacks = [tokenizer(text * 40, add_special_tokens=False)["input_ids"]
+                 for text in ("def f(x):\n    return x\n", "Emma was handsome, clever, and rich. ")]
+    scores, answers = needle_over_haystacks(model, tokenizer, haystacks, [300, 400], [0.0, 1.0])
+    assert scores.shape == (2, 2, 2)
+    for haystack, its_scores, its_answers in zip(haystacks, scores, answers, strict=True):
+        one, one_answers = needle_in_a_haystack(model, tokenizer, haystack, [300, 400], [0.0, 1.0], with_answers=True)
+        assert np.array_equal(its_scores, one) and its_answers == one_answers
+    grid = np.array([[[1, 0], [1, 1]], [[0, 0], [1, 0]], [[1, 0], [1, 1]]], dtype=float)
+    cells = [["a", "b"], ["c", "d"]]
+    summary = needle_summary(grid, [2048, 4096], [0.0, 1.0], [cells] * 3)
+    np.testing.assert_allclose(summary["scores"], [[2 / 3, 0], [1, 2 / 3]])
+    assert summary["accuracy"] == pytest.approx(7 / 12) and summary["haystacks"] == 3
+    assert summary["accuracy_by_context"] == {"2048": pytest.approx(5 / 6), "4096": pytest.approx(1 / 3)}
+    assert summary["scores_by_haystack"] == grid.tolist() and summary["answers_by_haystack"] == [cells] * 3
+    assert "answers" not in summary and json.loads(json.dumps(summary)) == summary
+    # One haystack's summary is the plain one.
+    assert needle_summary(grid[:1], [2048, 4096], [0.0, 1.0], [cells]) == needle_summary(grid[0], [2048, 4096],
+                                                                                         [0.0, 1.0], cells)
+
+
+def test_several_needle_haystacks_come_from_other_parts_of_held_out_prose():
+    tokenizer = byte_tokenizer()
+    haystacks = needle_haystack(tokenizer, 600, count=3)
+    assert [len(h) for h in haystacks] == [600] * 3 and haystacks[0] == needle_haystack(tokenizer, 600)
+    assert len({tuple(h) for h in haystacks}) == 3
+    with pytest.raises(ValueError, match="haystacks of 600 tokens, not 1000000"):
+        needle_haystack(tokenizer, 600, count=10**6)
 
 
 def test_top1_agreement_with_a_reference_comes_from_the_loss_passes_on_every_domain(make_model):

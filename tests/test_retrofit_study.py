@@ -45,6 +45,26 @@ def test_recipes_run_at_the_same_time_share_the_samples_and_land_in_one_record(t
         assert f"| {name} | 2 (" in record["table"]  # steps, then each step's seconds
 
 
+def test_samples_given_serve_the_recipes_run_in_their_own_process(tmp_path):
+    import numpy as np
+
+    root = save_llama_and_corpus(tmp_path)
+    given = root / "samples.npz"
+    documents = [[104, 105, 257], [111, 107, 33, 257]] * 40
+    np.savez(given, tokens=np.concatenate(documents).astype(np.int32),
+             lengths=np.array([len(document) for document in documents]), seconds=12.5)
+    tiny = finetune_args(root, "unused", "--steps", "1", "--teacher-samples", "256", "--no-needle", "--eval-docs", "1")
+    done = study("--recipes", "default", "--gpus", "0", "--samples-from", str(given), "--minutes", "5",
+                 "--output-dir", str(root / "study"), "--results", str(root / "results"), "--", *tiny, cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"the samples in {given}" in done.stdout
+    assert (root / "study" / "default" / "teacher_samples.npz").read_bytes() == given.read_bytes()
+    assert "sampling from the original" not in (root / "study" / "default.log").read_text()
+    [path] = (root / "results").glob("retrofit_study_*_default.json")
+    samples = json.loads(path.read_text())["runs"]["default"]["summary"]["teacher_samples"]
+    assert samples["tokens"] == 280 and samples["seconds"] == 12.5
+
+
 def test_the_table_gives_prose_worst_bands_inside_and_past_the_originals_context():
     spec = importlib.util.spec_from_file_location("retrofit_study", STUDY)
     retrofit_study = importlib.util.module_from_spec(spec)
