@@ -334,8 +334,8 @@ def run_needle(args):
     import torch
 
     from foxlm.data import DOMAIN_ALIASES, DOMAINS
-    from foxlm.evaluation import NEEDLE_DEPTHS, load_causal_lm, needle_haystack, needle_over_haystacks, needle_summary
-    from foxlm.evaluation import plot_needle, write_json
+    from foxlm.evaluation import NEEDLE_DEPTHS, held_out_haystacks, load_causal_lm, needle_over_haystacks
+    from foxlm.evaluation import needle_summary, plot_needle, write_json
 
     json_path, png_path = eval_output_paths(args, "needle.json", "needle.png")
     args.depths = args.depths or list(NEEDLE_DEPTHS)
@@ -345,10 +345,9 @@ def run_needle(args):
     length = max(args.context_lengths)
     if args.data in DOMAINS or args.data in DOMAIN_ALIASES:
         try:
-            haystacks = needle_haystack(tokenizer, length, args.data, corpus_dir=args.corpus_dir, count=args.haystacks)
+            haystacks = held_out_haystacks(tokenizer, length, args.haystacks, args.data, corpus_dir=args.corpus_dir)
         except (FileNotFoundError, ValueError) as error:
             sys.exit(f"error: --data {args.data}: {error}")
-        haystacks = [haystacks] if args.haystacks == 1 else haystacks
     else:
         stream = [t for doc in documents_for_eval(args, tokenizer, length, args.data) for t in doc]
         if len(stream) < length * args.haystacks:

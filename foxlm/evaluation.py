@@ -392,16 +392,20 @@ def needle_over_haystacks(model, tokenizer, haystacks, context_lengths, depths, 
     return np.stack([scores for scores, _ in results]), [answers for _, answers in results]
 
 
-def needle_haystack(tokenizer, length, domain="prose", corpus_dir=None, count=1):
-    """`length` token ids of a domain's held-out text ("prose", "docs", "code"; see `foxlm.data`), the filler that
-    `needle_in_a_haystack` cuts its prompts from; with `count` > 1 a list of that many, from documents spread over
-    the held-out text (the first is the one of `count=1`)."""
+def held_out_haystacks(tokenizer, length, count, domain="prose", corpus_dir=None):
+    """`count` fillers of `length` token ids that `needle_in_a_haystack` cuts its prompts from: held-out documents of
+    a domain ("prose", "docs", "code"; see `foxlm.data`) spread over its text, the first always the same."""
     from .data import held_out_documents
 
     haystacks = held_out_documents(tokenizer, domain, length, num_docs=count, corpus_dir=corpus_dir)
     if len(haystacks) < count:
         raise ValueError(f"the held-out {domain} text gives {len(haystacks)} haystacks of {length} tokens, not {count}")
-    return haystacks[0] if count == 1 else haystacks
+    return haystacks
+
+
+def needle_haystack(tokenizer, length, domain="prose", corpus_dir=None):
+    """`length` token ids of a domain's held-out text, the filler of the one-haystack test (`held_out_haystacks`)."""
+    return held_out_haystacks(tokenizer, length, 1, domain, corpus_dir)[0]
 
 
 def needle_summary(scores, context_lengths, depths, answers=None):

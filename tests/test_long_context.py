@@ -28,6 +28,7 @@ from foxlm.evaluation import (
     band_means,
     evaluate_models,
     format_report,
+    held_out_haystacks,
     needle_haystack,
     needle_in_a_haystack,
     needle_over_haystacks,
@@ -284,11 +285,11 @@ def test_the_needle_in_several_haystacks_keeps_each_and_scores_the_fraction_pass
 
 def test_several_needle_haystacks_come_from_other_parts_of_held_out_prose():
     tokenizer = byte_tokenizer()
-    haystacks = needle_haystack(tokenizer, 600, count=3)
+    haystacks = held_out_haystacks(tokenizer, 600, 3)
     assert [len(h) for h in haystacks] == [600] * 3 and haystacks[0] == needle_haystack(tokenizer, 600)
     assert len({tuple(h) for h in haystacks}) == 3
     with pytest.raises(ValueError, match="haystacks of 600 tokens, not 1000000"):
-        needle_haystack(tokenizer, 600, count=10**6)
+        held_out_haystacks(tokenizer, 600, 10**6)
 
 
 def test_top1_agreement_with_a_reference_comes_from_the_loss_passes_on_every_domain(make_model):
