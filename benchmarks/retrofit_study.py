@@ -99,6 +99,8 @@ RECIPES = {
     # Past the original's context, a KL to the original over a sliding window of its context as well (prose past 8k).
     "kl-past-context-1": ["--kl-weight-past-context", "1"],
     "kl-past-context-3": ["--kl-weight-past-context", "3"],
+    # The default with the slow pairs interpolated instead of clamped (as "...-interpolate" above, which had no copies).
+    "interpolate-slow-pairs": ["--slow-pairs", "interpolate"],
     # The GPU default is 4 blocks per pass, compiled: these were the default (before 2026-11-27) and its parts.
     "one-block-per-pass": ["--micro-batch-size", "1", "--no-compile"],
     "micro-batch-4": ["--micro-batch-size", "4", "--no-compile"],
