@@ -197,14 +197,15 @@ def add_convert_commands(commands):
                            "source's context, max_position_embeddings) and drop it on the slower ones, whose angles "
                            "beyond the context were never trained: the converted model starts close to the source "
                            "(docs/retrofit.md)")
-    llama.add_argument("--slow-pairs", choices=("clamp", "drop", "interpolate"), default=None,
+    llama.add_argument("--slow-pairs", choices=("clamp", "drop", "interpolate", "compress"), default=None,
                        help="with --partial-rope, the pairs slower than TOKENS: clamp their rotation, rotating them "
                             "as the source does up to position TOKENS and no further, so that within TOKENS the "
-                            "model computes what the source does (the default), drop it, or interpolate it: turn "
-                            "them as far over --interpolate-to tokens as the source did over TOKENS")
+                            "model computes what the source does (the default), drop it, interpolate it (turn "
+                            "them as far over --interpolate-to tokens as the source did over TOKENS), or compress "
+                            "it (as the source up to position TOKENS, CONTEXT / TOKENS times slower past it)")
     llama.add_argument("--interpolate-to", type=positive_float, default=None, metavar="CONTEXT",
-                       help="with --slow-pairs interpolate, the context the model is meant for, in tokens (above "
-                            "TOKENS): the slow pairs turn CONTEXT / TOKENS times slower")
+                       help="with --slow-pairs interpolate or compress, the context the model is meant for, in tokens "
+                            "(above TOKENS): the slow pairs turn CONTEXT / TOKENS times slower")
     llama.add_argument("--gate-init", choices=GATE_INITS, default=DEFAULT_GATE_INIT,
                        help="how the new forget gates start (weights are zero either way): decay-spread gives the "
                             "heads of each layer decay times log-spaced over --decay-times; open gives every head "

@@ -11,6 +11,10 @@ from .kernels.acp import DEFAULT_PRUNE_EPS
 
 FGATE_TYPES = ("data_dependent", "data_independent", "fixed", "none")
 ATTENTION_BACKENDS = ("auto", "triton", "reference")
+# What partial RoPE does with the pairs slower than its cut (`rope_slow_pairs`); the last two turn slower, by
+# `rope_slow_pairs_factor`.
+SLOW_PAIRS = ("drop", "clamp", "interpolate", "compress")
+SLOWER_SLOW_PAIRS = ("interpolate", "compress")
 
 
 @strict
@@ -50,12 +54,16 @@ class FoxConfig(PreTrainedConfig):
             and beyond it they stop, never reaching an angle (a distance up to `rope_max_wavelength`) the original
             did not see; `"interpolate"` divides their frequencies by `rope_slow_pairs_factor`, so that over
             `factor` times the cut they turn as far as the original did over the cut (YaRN's "NTK-by-parts" with a
-            hard boundary and no temperature: the faster pairs keep their rotation exactly). Conversion writes
+            hard boundary and no temperature: the faster pairs keep their rotation exactly); `"compress"` rotates
+            them as the original up to `rope_max_wavelength` and `rope_slow_pairs_factor` times slower past it, so
+            that positions past the cut keep angles of their own (clamped, they all share the cut's) while within
+            it the model computes what the original does. Conversion writes
             `"clamp"` unless asked otherwise; the default stays `"drop"`, what configs saved before this setting
             existed (without the key) computed.
         rope_slow_pairs_factor (`float`, *optional*):
-            With `rope_slow_pairs="interpolate"`, how many times slower the slow pairs turn (above 1): the context
-            the model is meant for over `rope_max_wavelength`.
+            With `rope_slow_pairs="interpolate"` or `"compress"`, how many times slower the slow pairs turn (above
+            1; with `"compress"` past `rope_max_wavelength` only): the context the model is meant for over
+            `rope_max_wavelength`.
         qk_norm (`bool`, defaults to `False`):
             Per-head RMSNorm of q and k (FoX Pro), with `qk_norm_eps`.
         use_output_gate (`bool`, defaults to `False`):
@@ -225,16 +233,16 @@ class FoxConfig(PreTrainedConfig):
             if "dynamic" in rope_type or rope_type == "longrope":
                 raise ValueError(f"`rope_max_wavelength` needs fixed RoPE frequencies; rope_type {rope_type!r} "
                                  "recomputes them with the sequence length.")
-        if self.rope_slow_pairs not in ("drop", "clamp", "interpolate"):
-            raise ValueError(f"`rope_slow_pairs` must be 'drop', 'clamp' or 'interpolate', got "
+        if self.rope_slow_pairs not in SLOW_PAIRS:
+            raise ValueError(f"`rope_slow_pairs` must be one of {', '.join(map(repr, SLOW_PAIRS))}, got "
                              f"{self.rope_slow_pairs!r}.")
         factor = self.rope_slow_pairs_factor
-        if self.rope_slow_pairs == "interpolate" and (isinstance(factor, bool) or not (
+        if self.rope_slow_pairs in SLOWER_SLOW_PAIRS and (isinstance(factor, bool) or not (
                 isinstance(factor, (int, float)) and 1 < factor < math.inf)):
-            raise ValueError(f"`rope_slow_pairs='interpolate'` needs `rope_slow_pairs_factor`, a number above 1 (how "
-                             f"many times slower the slow pairs turn), got {factor!r}.")
-        if self.rope_slow_pairs != "interpolate" and factor is not None:
-            raise ValueError(f"`rope_slow_pairs_factor` is for `rope_slow_pairs='interpolate'`, not "
+            raise ValueError(f"`rope_slow_pairs={self.rope_slow_pairs!r}` needs `rope_slow_pairs_factor`, a number "
+                             f"above 1 (how many times slower the slow pairs turn), got {factor!r}.")
+        if self.rope_slow_pairs not in SLOWER_SLOW_PAIRS and factor is not None:
+            raise ValueError(f"`rope_slow_pairs_factor` is for `rope_slow_pairs='interpolate'` or 'compress', not "
                              f"{self.rope_slow_pairs!r}.")
         if self.rope_slow_pairs != "drop" and self.rope_max_wavelength is None:
             raise ValueError("`rope_slow_pairs` says what partial RoPE does with the pairs slower than "

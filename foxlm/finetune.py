@@ -158,12 +158,13 @@ def build_parser(prog=None):
                            "by default); the attention transfer then gives back what RoPE did")
     rope.add_argument("--keep-rope", action="store_true",
                       help="keep all of RoPE (the gates start nearly open, as with --partial-rope)")
-    transfer.add_argument("--slow-pairs", choices=("clamp", "drop", "interpolate"), default=None,
+    transfer.add_argument("--slow-pairs", choices=("clamp", "drop", "interpolate", "compress"), default=None,
                           help="with --partial-rope, the channel pairs slower than its cut: clamp their rotation (the "
                                "default: they rotate as in the original up to the cut's position and no further, so "
-                               "that within it the converted model computes what the original does), drop it, or "
-                               "interpolate it: turn them as far over --context tokens as the original did over the "
-                               "cut (YaRN's interpolation of the slow pairs, without its temperature)")
+                               "that within it the converted model computes what the original does), drop it, "
+                               "interpolate it (turn them as far over --context tokens as the original did over the "
+                               "cut: YaRN's interpolation of the slow pairs, without its temperature), or compress it "
+                               "(as the original up to the cut's position, --context / cut times slower past it)")
     transfer.add_argument("--gate-bias", type=float, default=None, metavar="B",
                           help="with RoPE kept, whole or in part: every forget gate starts at f = sigmoid(B), a "
                                "decay time of about e^B tokens; higher forgets far tokens more slowly (default: "
@@ -730,10 +731,12 @@ def rope_options(args):
     what the original did inside its context, so every gate starts nearly open (--gate-bias, by default
     ROPE_GATE_BIAS: docs/retrofit.md) rather than with the short decay times that stand in for RoPE's recency when it
     is dropped."""
+    from foxlm.configuration_fox import SLOWER_SLOW_PAIRS
+
     if not (args.partial_rope or args.keep_rope):
         return {}
     slow_pairs = {"slow_pairs": args.slow_pairs} if args.partial_rope else {}
-    if args.slow_pairs == "interpolate":
+    if args.slow_pairs in SLOWER_SLOW_PAIRS:
         slow_pairs["interpolate_to"] = args.context
     return dict(partial_rope=args.partial_rope, keep_rope=args.keep_rope, gate_init="open", gate_bias=args.gate_bias,
                 **slow_pairs)

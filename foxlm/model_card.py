@@ -113,6 +113,8 @@ def rope_change(config):
             f", `rope_slow_pairs_factor={config.rope_slow_pairs_factor:g}`" if config.rope_slow_pairs_factor else "")
         slow = ("rotate as in the source up to that position and stop there," if config.rope_slow_pairs == "clamp" else
                 "are dropped" if config.rope_slow_pairs == "drop" else
+                f"turn {config.rope_slow_pairs_factor:g} times slower than in the source past that position,"
+                if config.rope_slow_pairs == "compress" else
                 f"turn {config.rope_slow_pairs_factor:g} times slower than in the source,")
         return (f"Partial RoPE ({setting}): the channel pairs whose wavelength is shorter keep their rotation, the "
                 f"slower ones {slow} and the forget gate gives the recency bias at long range.")

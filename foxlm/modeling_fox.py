@@ -414,11 +414,16 @@ class FoxDecoderLayer(GradientCheckpointingLayer):
         return residual + hidden_states
 
 
+# The slow-pair settings that keep RoPE's frequencies and move the slow pairs' positions instead.
+POSITION_MAPPED_SLOW_PAIRS = ("clamp", "compress")
+
+
 class FoxRotaryEmbedding(LlamaRotaryEmbedding):
     """LLaMA's RoPE, with `config.rope_max_wavelength` (partial RoPE): the channel pairs whose wavelength is that long
     or longer get frequency 0, so cos = 1 and sin = 0 leave them unrotated; with `config.rope_slow_pairs="clamp"` they
     keep their frequency and rotate with positions capped at `rope_max_wavelength` instead, with `"interpolate"` they
-    turn `config.rope_slow_pairs_factor` times slower."""
+    turn `config.rope_slow_pairs_factor` times slower, with `"compress"` that many times slower past
+    `rope_max_wavelength` only."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -431,7 +436,7 @@ class FoxRotaryEmbedding(LlamaRotaryEmbedding):
     @torch.no_grad()
     def set_slow_pair_frequencies(self):
         """The slow pairs' frequencies, set from RoPE's own (so that setting them twice changes nothing)."""
-        if self.config.rope_max_wavelength is None or self.config.rope_slow_pairs == "clamp":
+        if self.config.rope_max_wavelength is None or self.config.rope_slow_pairs in POSITION_MAPPED_SLOW_PAIRS:
             return
         rope_init = ROPE_INIT_FUNCTIONS.get(self.rope_type, self.compute_default_rope_parameters)
         frequencies = rope_init(self.config)[0]
@@ -445,11 +450,14 @@ class FoxRotaryEmbedding(LlamaRotaryEmbedding):
 
     @torch.no_grad()
     def forward(self, x, position_ids):
-        if self.config.rope_max_wavelength is None or self.config.rope_slow_pairs != "clamp":
+        if self.config.rope_max_wavelength is None or self.config.rope_slow_pairs not in POSITION_MAPPED_SLOW_PAIRS:
             return super().forward(x, position_ids)
-        limit = self.config.rope_max_wavelength
+        cut = self.config.rope_max_wavelength
         positions = position_ids[:, :, None].float()  # (batch, tokens, 1) against (pairs,)
-        positions = torch.where(self.slow_pairs(self.inv_freq), positions.clamp(max=limit), positions)
+        slow_positions = positions.clamp(max=cut)
+        if self.config.rope_slow_pairs == "compress":
+            slow_positions = slow_positions + (positions - cut).clamp(min=0) / self.config.rope_slow_pairs_factor
+        positions = torch.where(self.slow_pairs(self.inv_freq), slow_positions, positions)
         angles = positions * self.inv_freq.float()
         angles = torch.cat((angles, angles), dim=-1)
         return (angles.cos() * self.attention_scaling).to(x.dtype), (angles.sin() * self.attention_scaling).to(x.dtype)

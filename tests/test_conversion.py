@@ -107,6 +107,16 @@ def test_partial_rope_rotates_the_pairs_faster_than_the_context_only(tmp_path):
         convert_llama_to_fox(tmp_path / "llama", tmp_path / "both", keep_rope=True, partial_rope=True)
 
 
+def assert_the_source_up_to_the_cut_only(fox, llama, cut):
+    """The converted model's logits are the source's up to position `cut` and differ past it; returns them."""
+    ids = torch.randint(0, 97, (2, cut + 30))
+    with torch.no_grad():
+        fox_logits, llama_logits = fox(ids).logits, llama(ids).logits
+    below, past = ((fox_logits - llama_logits)[:, part].abs().max() for part in (slice(0, cut), slice(cut, None)))
+    assert below <= 1e-5 and past > 100 * below
+    return fox_logits
+
+
 def test_clamped_slow_pairs_by_default_compute_what_the_source_does_up_to_the_cut_and_stop_turning_past_it(tmp_path):
     llama = save_tiny(tmp_path / "llama", max_position_embeddings=100, head_dim=8)
     out = convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", dtype="fp32", partial_rope=True,
@@ -115,11 +125,7 @@ def test_clamped_slow_pairs_by_default_compute_what_the_source_does_up_to_the_cu
     card = (out / "README.md").read_text()
     assert fox.config.rope_slow_pairs == "clamp" and "--partial-rope 100`" in card and "--slow-pairs" not in card
     torch.testing.assert_close(fox.model.rotary_emb.inv_freq, llama.model.rotary_emb.inv_freq)  # none dropped
-    ids = torch.randint(0, 97, (2, 130))
-    with torch.no_grad():
-        fox_logits, llama_logits = fox(ids).logits, llama(ids).logits
-    below, past = ((fox_logits - llama_logits)[:, part].abs().max() for part in (slice(0, 100), slice(100, None)))
-    assert below <= 1e-5 and past > 100 * below
+    fox_logits = assert_the_source_up_to_the_cut_only(fox, llama, cut=100)
     # Past position 100 the two slow pairs (wavelengths 628 and 6283) stay at position 100's angle, the fast ones turn.
     positions = torch.arange(130)[None]
     cos, sin = fox.model.rotary_emb(fox_logits, positions)
@@ -135,6 +141,33 @@ def test_clamped_slow_pairs_by_default_compute_what_the_source_does_up_to_the_cu
         assert json.loads((tmp_path / name / "config.json").read_text())["rope_slow_pairs"] == expected
     with pytest.raises(SystemExit, match="it needs partial_rope"):
         main(["convert", "llama", str(tmp_path / "llama"), str(tmp_path / "cli-none"), "--slow-pairs", "drop"])
+
+
+def test_compressed_slow_pairs_turn_as_the_source_up_to_the_cut_and_slower_past_it(tmp_path):
+    llama = save_tiny(tmp_path / "llama", max_position_embeddings=100, head_dim=8)
+    out = convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", dtype="fp32", partial_rope=True,
+                               slow_pairs="compress", interpolate_to=400, gate_init="open", gate_bias=30.0)
+    fox = FoxForCausalLM.from_pretrained(out).eval()
+    assert fox.config.rope_slow_pairs == "compress" and fox.config.rope_slow_pairs_factor == 4
+    card = (out / "README.md").read_text()
+    assert "--slow-pairs compress --interpolate-to 400" in card and "4 times slower than in the source past" in card
+    torch.testing.assert_close(fox.model.rotary_emb.inv_freq, llama.model.rotary_emb.inv_freq)  # none changed
+    fox_logits = assert_the_source_up_to_the_cut_only(fox, llama, cut=100)
+    # Past position 100 the slow pairs stand where the source's stood at 100 + (p - 100) / 4: each position an angle of
+    # its own (clamped, they all stand at 100's); the fast pairs turn as in the source.
+    positions = torch.arange(100, 500, 4)[None]
+    cos, sin = fox.model.rotary_emb(fox_logits, positions)
+    cos_llama, sin_llama = llama.model.rotary_emb(fox_logits, 100 + (positions - 100) // 4)
+    slow, fast = [2, 3, 6, 7], [0, 1, 4, 5]
+    torch.testing.assert_close(cos[..., slow], cos_llama[..., slow])
+    torch.testing.assert_close(sin[..., slow], sin_llama[..., slow])
+    torch.testing.assert_close(cos[..., fast], llama.model.rotary_emb(fox_logits, positions)[0][..., fast])
+    with pytest.raises(ConversionError, match="go together"):
+        convert_llama_to_fox(tmp_path / "llama", tmp_path / "bad", partial_rope=True, slow_pairs="compress")
+    main(["convert", "llama", str(tmp_path / "llama"), str(tmp_path / "cli"), "--partial-rope", "--slow-pairs",
+          "compress", "--interpolate-to", "800"])
+    config = json.loads((tmp_path / "cli" / "config.json").read_text())
+    assert (config["rope_slow_pairs"], config["rope_slow_pairs_factor"]) == ("compress", 8)
 
 
 def test_interpolated_slow_pairs_turn_as_far_over_the_new_context_as_the_source_did_over_its_own(tmp_path):
@@ -164,7 +197,7 @@ def test_interpolated_slow_pairs_turn_as_far_over_the_new_context_as_the_source_
     main(["convert", "llama", str(tmp_path / "llama"), str(tmp_path / "cli"), "--partial-rope", "--slow-pairs",
           "interpolate", "--interpolate-to", "800"])
     assert json.loads((tmp_path / "cli" / "config.json").read_text())["rope_slow_pairs_factor"] == 8
-    with pytest.raises(SystemExit, match="--slow-pairs interpolate and --interpolate-to CONTEXT go together"):
+    with pytest.raises(SystemExit, match="--slow-pairs interpolate or compress and --interpolate-to CONTEXT go"):
         main(["convert", "llama", str(tmp_path / "llama"), str(tmp_path / "cli-none"), "--partial-rope",
               "--slow-pairs", "interpolate"])
 

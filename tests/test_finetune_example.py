@@ -256,11 +256,13 @@ def test_partial_rope_with_clamped_slow_pairs_by_default_and_no_transfer(llama_a
                                       "--teacher-samples", "0")])
     assert json.loads((root / "dropped" / "fine-tuned" / "config.json").read_text())["rope_slow_pairs"] == "drop"
     assert json.loads((root / "dropped" / "training_options.json").read_text())["options"]["slow_pairs"] == "drop"
-    # Interpolated, the slow pairs turn as far over --context as the original did over its context (128 here).
-    foxlm(["finetune", *finetune_args(root, "interpolated", "--slow-pairs", "interpolate", "--context", "256",
-                                      "--steps", "1", "--skip-eval", "--teacher-samples", "0")])
-    config = json.loads((root / "interpolated" / "fine-tuned" / "config.json").read_text())
-    assert config["rope_slow_pairs"] == "interpolate" and config["rope_slow_pairs_factor"] == 2
+    # Interpolated, the slow pairs turn as far over --context as the original did over its context (128 here);
+    # compressed, as many times slower past that context only.
+    for slow_pairs in ("interpolate", "compress"):
+        foxlm(["finetune", *finetune_args(root, slow_pairs, "--slow-pairs", slow_pairs, "--context", "256",
+                                          "--steps", "1", "--skip-eval", "--teacher-samples", "0")])
+        config = json.loads((root / slow_pairs / "fine-tuned" / "config.json").read_text())
+        assert config["rope_slow_pairs"] == slow_pairs and config["rope_slow_pairs_factor"] == 2
     # --gate-bias sets the gates' start with RoPE kept, and is recorded.
     foxlm(["finetune", *finetune_args(root, "gate-bias", "--keep-rope", "--gate-bias", "10", "--steps", "1",
                                       "--skip-eval", "--teacher-samples", "0")])
@@ -275,8 +277,9 @@ def test_bad_arguments_are_named_before_any_training(llama_and_corpus, capsys):
         foxlm(["finetune", *finetune_args(root, "empty", "--eval-only")])
     with pytest.raises(SystemExit, match="--resume"):
         foxlm(["finetune", *finetune_args(root, "no-checkpoint", "--resume")])
-    with pytest.raises(SystemExit, match="--context"):  # interpolating to the original's own context
-        foxlm(["finetune", *finetune_args(root, "interpolate-128", "--slow-pairs", "interpolate")])
+    for slow_pairs in ("interpolate", "compress"):  # slower over the original's own context
+        with pytest.raises(SystemExit, match="--context"):
+            foxlm(["finetune", *finetune_args(root, f"{slow_pairs}-128", "--slow-pairs", slow_pairs)])
     with pytest.raises(SystemExit):
         foxlm(["finetune", *finetune_args(root, "both-ropes", "--partial-rope", "--keep-rope")])
     assert "not allowed with argument" in capsys.readouterr().err

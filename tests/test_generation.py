@@ -26,7 +26,9 @@ def test_generate_builds_fox_cache_layers(make_model):
 ROPE = {"no-rope": {}, "partial-rope": dict(use_rope=True, rope_max_wavelength=50.0),
         "clamped-slow-pairs": dict(use_rope=True, rope_max_wavelength=6.0, rope_slow_pairs="clamp"),
         "interpolated-slow-pairs": dict(use_rope=True, rope_max_wavelength=6.0, rope_slow_pairs="interpolate",
-                                        rope_slow_pairs_factor=4.0)}
+                                        rope_slow_pairs_factor=4.0),
+        "compressed-slow-pairs": dict(use_rope=True, rope_max_wavelength=6.0, rope_slow_pairs="compress",
+                                      rope_slow_pairs_factor=4.0)}
 
 
 @pytest.mark.parametrize("rope", ROPE.values(), ids=ROPE.keys())

@@ -53,8 +53,11 @@ def tokenize_without_foxlm(folder, text, tmp_path):
 @pytest.mark.parametrize("rope", [{}, dict(use_rope=True, rope_max_wavelength=50.0),
                                   dict(use_rope=True, rope_max_wavelength=4.0, rope_slow_pairs="clamp"),
                                   dict(use_rope=True, rope_max_wavelength=4.0, rope_slow_pairs="interpolate",
+                                       rope_slow_pairs_factor=4.0),
+                                  dict(use_rope=True, rope_max_wavelength=4.0, rope_slow_pairs="compress",
                                        rope_slow_pairs_factor=4.0)],
-                         ids=["no-rope", "partial-rope", "clamped-slow-pairs", "interpolated-slow-pairs"])
+                         ids=["no-rope", "partial-rope", "clamped-slow-pairs", "interpolated-slow-pairs",
+                              "compressed-slow-pairs"])
 def test_saved_folder_loads_as_remote_code_without_foxlm(make_model, tmp_path, rope):
     model = make_model(**rope)
     model.save_pretrained(tmp_path / "model")

@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedConfig
 
-from ..configuration_fox import FoxConfig
+from ..configuration_fox import SLOW_PAIRS, SLOWER_SLOW_PAIRS, FoxConfig
 from ..model_card import conversion_card
 from ..modeling_fox import FoxForCausalLM, fgate_bias_init_values
 from ..outputs import check_target, staged_folder
@@ -123,7 +123,8 @@ def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_p
     `partial_rope` its RoPE on the channel pairs whose wavelength is shorter than `partial_rope` tokens only (True: the
     source's context, `max_position_embeddings`; the slower pairs rotated up to that position only, or with
     `slow_pairs="drop"` unrotated, or with `slow_pairs="interpolate"` turning slower, as far over `interpolate_to`
-    tokens as they did over the cut: `FoxConfig.rope_slow_pairs`), with `token_shift` a key and value token shift (FoX
+    tokens as they did over the cut, or with `slow_pairs="compress"` that many times slower past the cut only:
+    `FoxConfig.rope_slow_pairs`), with `token_shift` a key and value token shift (FoX
     Pro's) that starts near no shift, and with `output_gate` FoX Pro's output gate (`fox_from_llama` makes it start as
     no gate)."""
     check_gate_options(gate_init, gate_bias, decay_times)
@@ -133,17 +134,17 @@ def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_p
             isinstance(partial_rope, (int, float)) and 0 < partial_rope < math.inf):
         raise ConversionError(f"partial_rope must be True (the source's context) or a wavelength in tokens, got "
                               f"{partial_rope!r}.")
-    if slow_pairs not in (None, "drop", "clamp", "interpolate"):
-        raise ConversionError(f"slow_pairs must be 'drop', 'clamp' or 'interpolate', got {slow_pairs!r}.")
+    if slow_pairs is not None and slow_pairs not in SLOW_PAIRS:
+        raise ConversionError(f"slow_pairs must be one of {', '.join(map(repr, SLOW_PAIRS))}, got {slow_pairs!r}.")
     if slow_pairs is not None and not partial_rope:
         raise ConversionError("slow_pairs says what partial RoPE does with the pairs slower than its cut: it needs "
                               "partial_rope.")
     cut = float(config.max_position_embeddings if partial_rope is True else partial_rope)
-    if (slow_pairs == "interpolate") != (interpolate_to is not None):
-        raise ConversionError("slow_pairs='interpolate' and interpolate_to, the context to stretch the slow pairs' "
-                              "rotation over, go together (on the command line: --slow-pairs interpolate and "
-                              f"--interpolate-to CONTEXT go together); got slow_pairs={slow_pairs!r}, "
-                              f"interpolate_to={interpolate_to!r}.")
+    if (slow_pairs in SLOWER_SLOW_PAIRS) != (interpolate_to is not None):
+        raise ConversionError("slow_pairs='interpolate' or 'compress' and interpolate_to, the context to stretch the "
+                              "slow pairs' rotation over, go together (on the command line: --slow-pairs interpolate "
+                              "or compress and --interpolate-to CONTEXT go together); got "
+                              f"slow_pairs={slow_pairs!r}, interpolate_to={interpolate_to!r}.")
     if interpolate_to is not None and (isinstance(interpolate_to, bool) or not (
             isinstance(interpolate_to, (int, float)) and cut < interpolate_to < math.inf)):
         raise ConversionError(f"interpolate_to, the context the model is meant for (`foxlm finetune`: --context), "
@@ -228,7 +229,8 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=Fa
     RoPE is dropped, kept with `keep_rope`, or kept with `partial_rope` on the channel pairs whose wavelength is
     shorter than `partial_rope` tokens only (True: the source's context; docs/retrofit.md, "Partial RoPE"), the
     slower pairs rotated with positions capped at the cut (`slow_pairs="clamp"`, the default), unrotated
-    (`slow_pairs="drop"`) or turning `interpolate_to` / cut times slower (`slow_pairs="interpolate"`).
+    (`slow_pairs="drop"`), turning `interpolate_to` / cut times slower (`slow_pairs="interpolate"`) or that many
+    times slower past the cut only (`slow_pairs="compress"`).
     With `token_shift` the FoX model gets FoX Pro's key and value token shift, starting near no shift; it gives back
     some of the position information RoPE carried (the previous token's key and value), and the transfer trains it.
     With `output_gate` it gets FoX Pro's output gate, starting as no gate (`fox_from_llama`), also trained by the
