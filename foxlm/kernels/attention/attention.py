@@ -162,7 +162,8 @@ def forgetting_attention(
             `c` is its inclusive cumulative sum, restarted at every packed sequence.
         fgate_cumsum: alternatively, `c` itself (batch, k_len, query_heads) float32, as a cache keeps it.
         sm_scale: multiplies q.k only (default 1/sqrt(head_dim)); the decay bias is added unscaled.
-        cu_seqlens: (num_seqs + 1,) int boundaries of sequences packed along dim 1 (batch must be 1).
+        cu_seqlens: (num_seqs + 1,) int boundaries of sequences packed along dim 1 (batch must be 1). Sequences
+            of one length run as a batch (the same result, on the faster kernels for batches).
         max_seqlen: longest packed sequence (a launch hint; taken from `cu_seqlens` when omitted).
         seq_start: (batch,) int, left padding: keys before `seq_start[b]` are ignored and their gates unused.
             Right padding needs nothing: causal queries never see later positions.
@@ -182,6 +183,14 @@ def forgetting_attention(
     longest_packed = _check_inputs(q, k, v, log_fgate, fgate_cumsum, cu_seqlens, seq_start)
     if max_seqlen is None:
         max_seqlen = longest_packed  # read by the check: no second sync
+    packed_length = q.shape[1]
+    as_batch = _equal_packed_sequences(cu_seqlens, longest_packed, packed_length)
+    if as_batch:
+        # Sequences of one length are a batch: the kernels for batches (the Hopper ones among them) take them.
+        count = len(cu_seqlens) - 1
+        q, k, v, log_fgate, fgate_cumsum = (None if t is None else t.unflatten(1, (count, longest_packed)).squeeze(0)
+                                            for t in (q, k, v, log_fgate, fgate_cumsum))
+        cu_seqlens = max_seqlen = None
     has_triton = triton_attention_forward is not None
     on_triton = runs_on_triton(backend, q, has_triton)
     if q.is_cuda and not on_triton:
@@ -214,7 +223,13 @@ def forgetting_attention(
     )
     if pruned_counts.numel():
         record_pruned_counts(pruned_counts)
-    return out
+    return out.reshape(1, packed_length, *out.shape[2:]) if as_batch else out
+
+
+def _equal_packed_sequences(cu_seqlens, longest, total):
+    """Whether `cu_seqlens` packs sequences of one length (`longest`, which the check read) into `total` positions."""
+    return (cu_seqlens is not None and longest is not None and longest > 0
+            and longest * (len(cu_seqlens) - 1) == total)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -22,6 +22,62 @@ def test_packed_launch_without_max_seqlen_takes_the_longest_sequence_from_the_ch
     assert launches == [31]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("given", ["log_fgate", "fgate_cumsum"])
+def test_packed_sequences_of_one_length_run_as_a_batch(monkeypatch, backend, given):
+    # Three sequences of 24: the op sees a batch of 3 without boundaries, and outputs and all gradients are the
+    # batch's (a cumsum given restarts at each sequence, as packing has it).
+    calls = []
+    op = torch.ops.foxlm.forgetting_attention
+    monkeypatch.setattr(torch.ops.foxlm, "forgetting_attention", lambda *a: calls.append((a[0].shape, a[6])) or op(*a))
+    q, k, v, log_fgate = make_inputs(3, 24, 24, 4, 2, 16)
+    gate = fgate_cumsum_from_log_fgate(log_fgate) if given == "fgate_cumsum" else log_fgate
+    grad_out = torch.randn(3, 24, 4, 16, device=DEVICE)
+    cu_seqlens = torch.tensor([0, 24, 48, 72], device=DEVICE, dtype=torch.int32)
+
+    def packed(q, k, v, gate):
+        flat = (t.reshape(1, 72, *t.shape[2:]) for t in (q, k, v))
+        out = forgetting_attention(*flat, cu_seqlens=cu_seqlens, backend=backend, **{given: gate.reshape(1, 72, 4)})
+        return out.reshape(3, 24, 4, 16)
+
+    got = outputs_and_grads(packed, (q, k, v, gate), grad_out)
+    assert calls == [(torch.Size([3, 24, 4, 16]), None)]
+    want = outputs_and_grads(lambda q, k, v, g: forgetting_attention(q, k, v, backend=backend, **{given: g}),
+                             (q, k, v, gate), grad_out)
+    for x, ref in zip(got, want):
+        torch.testing.assert_close(x, ref, rtol=0, atol=0)
+
+
+def test_packed_sequences_of_one_length_run_as_a_batch_under_torch_compile():
+    # As in a compiled FoX layer (`foxlm.training.compile_layer_parts`): reading the boundaries breaks the graph, and
+    # the op in the graph after the break still takes the batch.
+    q, k, v, log_fgate = make_inputs(1, 48, 48, 2, 2, 16)
+    cu_seqlens = torch.tensor([0, 24, 48], device=DEVICE, dtype=torch.int32)
+
+    def layer(q, k, v, log_fgate):
+        return forgetting_attention(q * 1.5, k, v, log_fgate, cu_seqlens=cu_seqlens, backend="reference")
+
+    torch._dynamo.reset()
+    graphs = torch._dynamo.explain(layer)(q, k, v, log_fgate).graphs
+    [query] = [node.args[0] for graph in graphs for node in graph.graph.nodes
+               if node.op == "call_function" and "foxlm.forgetting_attention" in str(node.target)]
+    assert tuple(query.meta["example_value"].shape) == (2, 24, 2, 16)
+    got = torch.compile(layer, backend="aot_eager")(q, k, v, log_fgate)
+    torch.testing.assert_close(got, layer(q, k, v, log_fgate))
+
+
+def test_packed_sequences_of_several_lengths_keep_their_boundaries(monkeypatch):
+    calls = []
+    op = torch.ops.foxlm.forgetting_attention
+    monkeypatch.setattr(torch.ops.foxlm, "forgetting_attention", lambda *a: calls.append((a[0].shape, a[6])) or op(*a))
+    q, k, v, log_fgate = make_inputs(1, 48, 48, 2, 2, 16)
+    for bounds in ([0, 24, 48], [0, 20, 48], [0, 0, 48, 48]):  # one length; two; an empty sequence among them
+        cu_seqlens = torch.tensor(bounds, device=DEVICE, dtype=torch.int32)
+        forgetting_attention(q, k, v, log_fgate, cu_seqlens=cu_seqlens, backend="reference")
+    assert [shape[:2] for shape, _ in calls] == [(2, 24), (1, 48), (1, 48)]
+    assert calls[0][1] is None and calls[1][1] is not None and calls[2][1] is not None
+
+
 def test_forward_and_backward_each_scan_the_gates_once(monkeypatch):
     # c and the key biases come from one launch in the forward and are kept; the backward's one launch is d log f.
     calls = []
@@ -29,7 +85,8 @@ def test_forward_and_backward_each_scan_the_gates_once(monkeypatch):
         original = getattr(attention_module, name)
         monkeypatch.setattr(attention_module, name, lambda *a, f=original, n=name: calls.append(n) or f(*a))
     inputs = make_inputs(1, 40, 40, 2, 1, 16)
-    outputs_and_grads(lambda *a: forgetting_attention(*a, backend="triton"), inputs, torch.randn(1, 40, 2, 16))
+    grad_out = torch.randn(1, 40, 2, 16, device=DEVICE)
+    outputs_and_grads(lambda *a: forgetting_attention(*a, backend="triton"), inputs, grad_out)
     assert calls == ["triton_gate_cumsum", "triton_gate_gradient"]
 
 
@@ -64,7 +121,7 @@ def test_torch_compile_sees_one_op_without_graph_breaks():
 def test_custom_op_registrations():
     q, k, v, log_fgate = make_inputs(1, 9, 12, 2, 1, 16)
     for args in [(q, k, v, log_fgate, False, 0.25, None, None, None, False),
-                 (q, k, v, log_fgate.cumsum(1), True, 0.25, None, None, torch.tensor([3]), False)]:
+                 (q, k, v, log_fgate.cumsum(1), True, 0.25, None, None, torch.tensor([3], device=DEVICE), False)]:
         args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
         torch.library.opcheck(torch.ops.foxlm.forgetting_attention, args)
 
