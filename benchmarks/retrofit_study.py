@@ -103,6 +103,9 @@ RECIPES = {
     "interpolate-slow-pairs": ["--slow-pairs", "interpolate"],
     # The default with the slow pairs turning 4 times slower past 8k instead of stopping there (not measured yet).
     "compress-slow-pairs": ["--slow-pairs", "compress"],
+    # The default with twice its copied spans (128 a 32k block, the most a block holds): more training that rewards
+    # retrieval from far back, with the slow pairs clamped.
+    "copy-spans-128": ["--copy-spans", "128"],
     # The GPU default is 4 blocks per pass, compiled: these were the default (before 2026-11-27) and its parts.
     "one-block-per-pass": ["--micro-batch-size", "1", "--no-compile"],
     "micro-batch-4": ["--micro-batch-size", "4", "--no-compile"],

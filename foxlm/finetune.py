@@ -225,7 +225,7 @@ def build_parser(prog=None):
                           help="weight of a KL at the positions beyond the original's context, to the original run "
                                "over a sliding window of its context (the baseline the evaluation compares with "
                                "there); 0: the next-token loss alone past the context (default: %(default)s; not "
-                               "with context parallelism)")
+                               "with context parallelism: under torchrun it needs --context-parallel 1)")
     training.add_argument("--distill-only", action="store_true",
                           help="inside the original's context, train on the KL alone, without the next-token loss: "
                                "the model follows the original there rather than the training text (past it, the "
@@ -321,8 +321,10 @@ def check_args(parser, args):
         parser.error("--kl-weight-past-context adds a KL past the original's context to one inside it: it needs a "
                      "--kl-weight above 0 and does not go with --distill-only (which keeps the next-token loss alone "
                      "there)")
-    if args.kl_weight_past_context and ((args.context_parallel or 1) > 1 or launched_processes() > 1):
-        parser.error("--kl-weight-past-context does not go with context parallelism (torchrun) yet")
+    # Under torchrun the processes split each sequence unless --context-parallel 1 (plain data parallelism).
+    if args.kl_weight_past_context and (args.context_parallel or launched_processes()) > 1:
+        parser.error("--kl-weight-past-context does not go with context parallelism yet: under torchrun, give "
+                     "--context-parallel 1 (each process trains on whole sequences)")
     if args.distill_only and not args.kl_weight:
         parser.error("--distill-only trains on the KL term alone inside the original's context: it needs a "
                      "--kl-weight above 0")

@@ -1,6 +1,7 @@
 """`foxlm finetune` under torchrun with context parallelism (two CPU processes over gloo) against the same runs in one
 process. Two launches: tests/finetune_context_parallel_worker.py (the teacher on packed documents, and one run whose
-next-token and KL terms it records on every rank), and `torchrun -m foxlm.cli finetune` itself."""
+next-token and KL terms it records on every rank), and `torchrun -m foxlm.cli finetune` itself; a third launch
+trains with plain data parallelism (`--context-parallel 1`)."""
 
 import json
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import save_llama_and_corpus, torchrun
+from conftest import finetune_args, save_llama_and_corpus, torchrun
 from finetune_context_parallel_worker import CASES, RECORDED, case_args, record_terms
 from packaging.version import Version
 from safetensors.torch import load_file
@@ -123,6 +124,21 @@ def test_a_run_killed_under_torchrun_resumes_to_the_uninterrupted_runs_weights(l
     assert step_losses(root / LAUNCHED) == step_losses(two_processes[0] / LAUNCHED)
 
 
+def test_plain_data_parallelism_takes_the_windowed_kl_past_the_context(llama):
+    # --context-parallel 1: each process trains on whole blocks of its own, so the windowed teacher past position 48
+    # (--kl-weight-past-context) runs as in one process; a step's two blocks are one on each rank.
+    past = ["--teacher-context", "48", "--kl-weight-past-context", "2", "--context-parallel", "1", "--skip-eval",
+            "--steps", "2", "--teacher-samples", "0"]
+    two, one = run_folder(llama, "plain_two"), run_folder(llama, "plain_one")
+    out = torchrun(two, "-m", "foxlm.cli", "finetune", *finetune_args(two, "past", *past))
+    foxlm(["finetune", *finetune_args(one, "past", *past)])
+    assert "2 x KL to the original over a sliding window of 48 beyond" in out
+    assert "each sequence split" not in out
+    losses = step_losses(two / "past"), step_losses(one / "past")
+    assert len(losses[0]) == len(losses[1]) == 2 and min(losses[1]) > 1
+    assert max(abs(a - b) for a, b in zip(*losses)) < 1e-5
+
+
 def test_settings_that_cannot_split_are_refused_before_any_work(llama, monkeypatch):
     root = llama
     with pytest.raises(SystemExit, match=r"--context-parallel 2 must divide the number of processes \(1\)"):
@@ -133,6 +149,8 @@ def test_settings_that_cannot_split_are_refused_before_any_work(llama, monkeypat
         with pytest.raises(SystemExit, match=r"--context 127 must be divisible by the context-parallel group size "
                                              r"\(2\)"):
             foxlm(["finetune", *case_args(root, LAUNCHED), "--context", "127"])
+        with pytest.raises(SystemExit):  # torchrun splits each sequence unless told --context-parallel 1
+            foxlm(["finetune", *case_args(root, LAUNCHED), "--kl-weight-past-context", "1"])
     assert not (root / LAUNCHED).exists()
 
 
