@@ -22,14 +22,20 @@ def test_packed_launch_without_max_seqlen_takes_the_longest_sequence_from_the_ch
     assert launches == [31]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("given", ["log_fgate", "fgate_cumsum"])
-def test_packed_sequences_of_one_length_run_as_a_batch(monkeypatch, backend, given):
-    # Three sequences of 24: the op sees a batch of 3 without boundaries, and outputs and all gradients are the
-    # batch's (a cumsum given restarts at each sequence, as packing has it).
+@pytest.fixture
+def op_calls(monkeypatch):
+    """(q's shape, cu_seqlens) of each call of the forward custom op."""
     calls = []
     op = torch.ops.foxlm.forgetting_attention
     monkeypatch.setattr(torch.ops.foxlm, "forgetting_attention", lambda *a: calls.append((a[0].shape, a[6])) or op(*a))
+    return calls
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("given", ["log_fgate", "fgate_cumsum"])
+def test_packed_sequences_of_one_length_run_as_a_batch(op_calls, backend, given):
+    # Three sequences of 24: the op sees a batch of 3 without boundaries, and outputs and all gradients are the
+    # batch's (a cumsum given restarts at each sequence, as packing has it).
     q, k, v, log_fgate = make_inputs(3, 24, 24, 4, 2, 16)
     gate = fgate_cumsum_from_log_fgate(log_fgate) if given == "fgate_cumsum" else log_fgate
     grad_out = torch.randn(3, 24, 4, 16, device=DEVICE)
@@ -41,7 +47,7 @@ def test_packed_sequences_of_one_length_run_as_a_batch(monkeypatch, backend, giv
         return out.reshape(3, 24, 4, 16)
 
     got = outputs_and_grads(packed, (q, k, v, gate), grad_out)
-    assert calls == [(torch.Size([3, 24, 4, 16]), None)]
+    assert op_calls == [(torch.Size([3, 24, 4, 16]), None)]
     want = outputs_and_grads(lambda q, k, v, g: forgetting_attention(q, k, v, backend=backend, **{given: g}),
                              (q, k, v, gate), grad_out)
     for x, ref in zip(got, want):
@@ -66,16 +72,13 @@ def test_packed_sequences_of_one_length_run_as_a_batch_under_torch_compile():
     torch.testing.assert_close(got, layer(q, k, v, log_fgate))
 
 
-def test_packed_sequences_of_several_lengths_keep_their_boundaries(monkeypatch):
-    calls = []
-    op = torch.ops.foxlm.forgetting_attention
-    monkeypatch.setattr(torch.ops.foxlm, "forgetting_attention", lambda *a: calls.append((a[0].shape, a[6])) or op(*a))
+def test_packed_sequences_of_several_lengths_keep_their_boundaries(op_calls):
     q, k, v, log_fgate = make_inputs(1, 48, 48, 2, 2, 16)
     for bounds in ([0, 24, 48], [0, 20, 48], [0, 0, 48, 48]):  # one length; two; an empty sequence among them
         cu_seqlens = torch.tensor(bounds, device=DEVICE, dtype=torch.int32)
         forgetting_attention(q, k, v, log_fgate, cu_seqlens=cu_seqlens, backend="reference")
-    assert [shape[:2] for shape, _ in calls] == [(2, 24), (1, 48), (1, 48)]
-    assert calls[0][1] is None and calls[1][1] is not None and calls[2][1] is not None
+    assert [shape[:2] for shape, _ in op_calls] == [(2, 24), (1, 48), (1, 48)]
+    assert op_calls[0][1] is None and op_calls[1][1] is not None and op_calls[2][1] is not None
 
 
 def test_forward_and_backward_each_scan_the_gates_once(monkeypatch):
