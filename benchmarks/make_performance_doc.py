@@ -27,7 +27,7 @@ SOURCES = {
     # The same benchmark with the Triton kernels alone timed beside the dispatch (Hopper kernels where they apply).
     "hopper": ("attention_NVIDIA_H200_20261129-0003.json",
                "FOXLM_AUTOTUNE=0 python benchmarks/bench_attention.py --quick --no-reference --no-acp"),
-    "packed": ("packed_as_batch_NVIDIA_H200_20261129-2228.json",
+    "packed": ("packed_as_batch_NVIDIA_H200_20261130-0024.json",
                "FOXLM_AUTOTUNE=0 python benchmarks/packed_as_batch.py"),
     "acp": [
         ("attention_acp_NVIDIA_H100_80GB_HBM3_20261126-1352.json",

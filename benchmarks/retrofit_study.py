@@ -67,8 +67,9 @@ RECIPES = {
     "partial-rope-32k": ["--partial-rope", "32768"],
     "partial-rope-64k": ["--partial-rope", "65536"],
     "keep-rope": ["--keep-rope"],
-    # Clamped slow pairs (they rotate up to the original's context and stop there) are the default since 2026-11-28
-    # (evening: the study's "clamp-slow-pairs" recipe then); "drop-slow-pairs" leaves them unrotated, as before.
+    # Clamped slow pairs (they rotate up to the original's context and stop there) were the default from 2026-11-28
+    # (evening: the study's "clamp-slow-pairs" recipe then) to 2026-11-30; "drop-slow-pairs" leaves them unrotated,
+    # as before 2026-11-28.
     "drop-slow-pairs": ["--slow-pairs", "drop"],
     "clamp-slow-pairs": ["--slow-pairs", "clamp"],
     "clamp-slow-pairs-gate-bias-10": ["--slow-pairs", "clamp", "--gate-bias", "10"],
@@ -101,10 +102,11 @@ RECIPES = {
     "kl-past-context-3": ["--kl-weight-past-context", "3"],
     # The default with the slow pairs interpolated instead of clamped (as "...-interpolate" above, which had no copies).
     "interpolate-slow-pairs": ["--slow-pairs", "interpolate"],
-    # The default with the slow pairs turning 4 times slower past 8k instead of stopping there (not measured yet).
+    # The slow pairs turning 4 times slower past 8k instead of stopping there: the default since 2026-11-30 (the
+    # study's "compress-slow-pairs" recipe then, on the clamped default).
     "compress-slow-pairs": ["--slow-pairs", "compress"],
     # The default with twice its copied spans (128 a 32k block, the most a block holds): more training that rewards
-    # retrieval from far back, with the slow pairs clamped.
+    # retrieval from far back (measured on the clamped default, 2026-11-30).
     "copy-spans-128": ["--copy-spans", "128"],
     # The GPU default is 4 blocks per pass, compiled: these were the default (before 2026-11-27) and its parts.
     "one-block-per-pass": ["--micro-batch-size", "1", "--no-compile"],

@@ -17,9 +17,10 @@ from foxlm import __version__
 from foxlm.benchmarks import BENCHMARKS, run as run_benchmark
 from foxlm.errors import FoxlmError
 
-# `foxlm convert llama` defaults. They are foxlm.conversion.llama's (tests/test_cli.py checks that they agree),
-# written here because that module imports torch.
+# `foxlm convert llama` defaults and choices (also `foxlm finetune`'s --slow-pairs). They are foxlm.conversion.llama's
+# and foxlm.configuration_fox's (tests/test_cli.py checks that they agree), written here because those import torch.
 GATE_INITS = ("open", "decay-spread")
+SLOW_PAIRS = ("drop", "clamp", "interpolate", "compress")
 DEFAULT_GATE_INIT = "decay-spread"
 DEFAULT_GATE_BIAS = 5.0
 DEFAULT_DECAY_TIMES = (2.0, 512.0)
@@ -197,7 +198,7 @@ def add_convert_commands(commands):
                            "source's context, max_position_embeddings) and drop it on the slower ones, whose angles "
                            "beyond the context were never trained: the converted model starts close to the source "
                            "(docs/retrofit.md)")
-    llama.add_argument("--slow-pairs", choices=("clamp", "drop", "interpolate", "compress"), default=None,
+    llama.add_argument("--slow-pairs", choices=SLOW_PAIRS, default=None,
                        help="with --partial-rope, the pairs slower than TOKENS: clamp their rotation, rotating them "
                             "as the source does up to position TOKENS and no further, so that within TOKENS the "
                             "model computes what the source does (the default), drop it, interpolate it (turn "

@@ -57,9 +57,9 @@ class FoxConfig(PreTrainedConfig):
             hard boundary and no temperature: the faster pairs keep their rotation exactly); `"compress"` rotates
             them as the original up to `rope_max_wavelength` and `rope_slow_pairs_factor` times slower past it, so
             that positions past the cut keep angles of their own (clamped, they all share the cut's) while within
-            it the model computes what the original does. Conversion writes
-            `"clamp"` unless asked otherwise; the default stays `"drop"`, what configs saved before this setting
-            existed (without the key) computed.
+            it the model computes what the original does. `foxlm convert llama` writes `"clamp"` unless asked
+            otherwise, `foxlm finetune` `"compress"` when its context reaches past the cut; the default stays
+            `"drop"`, what configs saved before this setting existed (without the key) computed.
         rope_slow_pairs_factor (`float`, *optional*):
             With `rope_slow_pairs="interpolate"` or `"compress"`, how many times slower the slow pairs turn (above
             1; with `"compress"` past `rope_max_wavelength` only): the context the model is meant for over

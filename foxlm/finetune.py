@@ -36,6 +36,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from foxlm.cli import SLOW_PAIRS
 from foxlm.data import COPY_SPAN_LENGTHS, EVAL_PERCENT
 
 LORA_LR, FULL_LR = 3e-3, 3e-4  # benchmarks/NOTES_finetune.md: how they were chosen
@@ -142,7 +143,8 @@ def build_parser(prog=None):
                       help=f"documents sampled at once ({machine_default('sample_batch_size')})")
     transfer = parser.add_argument_group(
         "conversion and attention transfer (stage 1; docs/retrofit.md)",
-        "RoPE: partial by default, its slower pairs clamped at the original's context. The transfer (by default "
+        "RoPE: partial by default, its slower pairs turning as in the original up to its context and slower past "
+        "it (clamped there when --context does not reach past it). The transfer (by default "
         "with --drop-rope only): each layer's forget gate, token shift, output gate and a low-rank update of "
         "q_proj/k_proj learn to reproduce the original attention outputs, on the original's hidden states; no "
         "backward through the model.")
@@ -158,13 +160,15 @@ def build_parser(prog=None):
                            "by default); the attention transfer then gives back what RoPE did")
     rope.add_argument("--keep-rope", action="store_true",
                       help="keep all of RoPE (the gates start nearly open, as with --partial-rope)")
-    transfer.add_argument("--slow-pairs", choices=("clamp", "drop", "interpolate", "compress"), default=None,
-                          help="with --partial-rope, the channel pairs slower than its cut: clamp their rotation (the "
-                               "default: they rotate as in the original up to the cut's position and no further, so "
-                               "that within it the converted model computes what the original does), drop it, "
-                               "interpolate it (turn them as far over --context tokens as the original did over the "
-                               "cut: YaRN's interpolation of the slow pairs, without its temperature), or compress it "
-                               "(as the original up to the cut's position, --context / cut times slower past it)")
+    transfer.add_argument("--slow-pairs", choices=SLOW_PAIRS, default=None,
+                          help="with --partial-rope, the channel pairs slower than its cut: compress their rotation "
+                               "(the default when --context reaches past the cut: they rotate as in the original up "
+                               "to the cut's position, so that within it the converted model computes what the "
+                               "original does, and --context / cut times slower past it), clamp it (as the original "
+                               "up to the cut's position and no further; the default when --context does not reach "
+                               "past it), drop it, or interpolate it (turn them as far over --context tokens as the "
+                               "original did over the cut: YaRN's interpolation of the slow pairs, without its "
+                               "temperature)")
     transfer.add_argument("--gate-bias", type=float, default=None, metavar="B",
                           help="with RoPE kept, whole or in part: every forget gate starts at f = sigmoid(B), a "
                                "decay time of about e^B tokens; higher forgets far tokens more slowly (default: "
@@ -309,8 +313,6 @@ def check_args(parser, args):
     if args.slow_pairs is not None and not args.partial_rope:
         parser.error("--slow-pairs says what --partial-rope does with the channel pairs slower than its cut; it does "
                      "not go with --drop-rope or --keep-rope")
-    if args.partial_rope:
-        args.slow_pairs = args.slow_pairs or "clamp"
     if not (args.kl_weight >= 0 and math.isfinite(args.kl_weight)):
         parser.error(f"--kl-weight must be 0 or a positive number, got {args.kl_weight}")
     if not (args.sample_temperature > 0 and math.isfinite(args.sample_temperature)):
@@ -728,6 +730,16 @@ def transfer_options(args, documents, context):
                 transfer_qk_rank=args.transfer_qk_rank)
 
 
+def default_slow_pairs(args, source_config):
+    """--slow-pairs when it is not given (with --partial-rope): compressed when --context reaches past the cut, so
+    that the slow pairs keep turning where the model is trained (docs/retrofit.md, "Compressed slow pairs"), clamped
+    otherwise: within the cut both rotate as the original does, and there is nothing past it to compress for."""
+    from foxlm.conversion.llama import partial_rope_cut
+
+    if args.partial_rope and args.slow_pairs is None:
+        args.slow_pairs = "compress" if args.context > partial_rope_cut(source_config, args.partial_rope) else "clamp"
+
+
 def rope_options(args):
     """The conversion's RoPE and gate options. With RoPE kept, whole or in part, the converted model computes nearly
     what the original did inside its context, so every gate starts nearly open (--gate-bias, by default
@@ -959,16 +971,17 @@ def main(argv=None, prog=None):
     adopt_recorded_options(args, run_dir, options_given(argv, prog))  # on every rank, before anything reads them
     source = args.model or str(smollm2_gguf_path())
     processes = Processes(args)
+    name_or_path, kwargs = resolve_source(source)
+    source_config, tokenizer = processes.first_on_rank_zero(lambda: (
+        AutoConfig.from_pretrained(name_or_path, **kwargs), AutoTokenizer.from_pretrained(name_or_path, **kwargs)))
+    processes.check_heads(source_config)
+    default_slow_pairs(args, source_config)  # before the options are recorded
     processes.once(lambda: start_run(args, run_dir, source, processes), share=False)
     converted_dir, fine_tuned_dir = run_dir / "converted", run_dir / "fine-tuned"
     if args.eval_only:
         missing = [str(d) for d in (converted_dir, fine_tuned_dir) if not (d / "config.json").exists()]
         if missing:
             sys.exit(f"error: --eval-only: no saved model in {', '.join(missing)}; run without --eval-only first")
-    name_or_path, kwargs = resolve_source(source)
-    source_config, tokenizer = processes.first_on_rank_zero(lambda: (
-        AutoConfig.from_pretrained(name_or_path, **kwargs), AutoTokenizer.from_pretrained(name_or_path, **kwargs)))
-    processes.check_heads(source_config)
     context = source_context(source_config, args)
     try:
         load = lambda: load_documents(args, tokenizer)  # noqa: E731

@@ -241,7 +241,8 @@ def test_a_killed_run_resumed_ends_bit_identical_to_an_uninterrupted_one(llama_a
     assert all(torch.equal(whole[key], resumed[key]) for key in whole)
 
 
-def test_partial_rope_with_clamped_slow_pairs_by_default_and_no_transfer(llama_and_corpus):
+def test_partial_rope_with_slow_pairs_compressed_past_the_original_context_by_default_and_no_transfer(
+        llama_and_corpus):
     root = llama_and_corpus
     foxlm(["finetune", *finetune_args(root, "partial-rope", "--steps", "1", "--skip-eval", "--teacher-samples", "0")])
     run = root / "partial-rope"
@@ -251,7 +252,14 @@ def test_partial_rope_with_clamped_slow_pairs_by_default_and_no_transfer(llama_a
     assert "Attention transfer" not in (run / "converted" / "README.md").read_text()
     options = json.loads((run / "training_options.json").read_text())["options"]
     assert options["partial_rope"] is True and options["transfer_steps"] == 0 and options["gate_bias"] == 7.0
+    # --context 128 reaches no further than the original's context: nothing to compress for, clamped.
     assert options["slow_pairs"] == "clamp" and config["rope_slow_pairs"] == "clamp"
+    # Past it, compressed by default: the slow pairs turn --context / 128 times slower past position 128.
+    foxlm(["finetune", *finetune_args(root, "longer", "--context", "256", "--steps", "1", "--skip-eval",
+                                      "--teacher-samples", "0")])
+    config = json.loads((root / "longer" / "fine-tuned" / "config.json").read_text())
+    assert (config["rope_slow_pairs"], config["rope_slow_pairs_factor"]) == ("compress", 2)
+    assert json.loads((root / "longer" / "training_options.json").read_text())["options"]["slow_pairs"] == "compress"
     foxlm(["finetune", *finetune_args(root, "dropped", "--slow-pairs", "drop", "--steps", "1", "--skip-eval",
                                       "--teacher-samples", "0")])
     assert json.loads((root / "dropped" / "fine-tuned" / "config.json").read_text())["rope_slow_pairs"] == "drop"

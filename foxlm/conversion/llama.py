@@ -116,6 +116,12 @@ def load_source_config(source):
     return AutoConfig.from_pretrained(name_or_path, **kwargs)
 
 
+def partial_rope_cut(config, partial_rope):
+    """The wavelength, in tokens, below which partial RoPE keeps a channel pair's rotation: `partial_rope` when it is
+    a number, the source's context (`max_position_embeddings` of its `config`) when it is True."""
+    return float(config.max_position_embeddings if partial_rope is True else partial_rope)
+
+
 def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_pairs=None, interpolate_to=None,
                           gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS, decay_times=DEFAULT_DECAY_TIMES,
                           token_shift=False, output_gate=False):
@@ -139,7 +145,7 @@ def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_p
     if slow_pairs is not None and not partial_rope:
         raise ConversionError("slow_pairs says what partial RoPE does with the pairs slower than its cut: it needs "
                               "partial_rope.")
-    cut = float(config.max_position_embeddings if partial_rope is True else partial_rope)
+    cut = partial_rope_cut(config, partial_rope)
     if (slow_pairs in SLOWER_SLOW_PAIRS) != (interpolate_to is not None):
         raise ConversionError("slow_pairs='interpolate' or 'compress' and interpolate_to, the context to stretch the "
                               "slow pairs' rotation over, go together (on the command line: --slow-pairs interpolate "
