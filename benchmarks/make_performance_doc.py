@@ -83,11 +83,7 @@ SOURCES = {
 }
 # Training runs; each row of the table comes from the newest of them that has all five models at its setting.
 TRAINING = [
-    "training_NVIDIA_H100_80GB_HBM3_20261123-1613.json",
-    "training_760m_no_checkpointing_16k_tokens_NVIDIA_H100_80GB_HBM3_20261123-0922.json",
-    "training_NVIDIA_H200_20261123-1905.json",
-    "training_NVIDIA_H100_80GB_HBM3_20261123-2049.json",
-    "training_NVIDIA_H100_80GB_HBM3_20261123-2243.json",
+    "training_NVIDIA_H200_20261130-0104.json",
 ]
 TRAINING_MODELS = [("llama-sdpa", False, "LLaMA (SDPA)"), ("fox-llama", False, "FoX (LLaMA)"),
                    ("fox-llama", True, "FoX (LLaMA) + ACP"), ("fox-pro", False, "FoX (Pro)"),
