@@ -135,7 +135,8 @@ def test_resume_continues_from_the_last_checkpoint(llama_and_corpus):
 
 
 class FolderPrepared(Exception):
-    """Raised in place of `prepare_run_folder`: the options' check before it passed, and nothing was loaded."""
+    """Raised in place of `prepare_run_folder`: the options' check before it passed, and nothing was changed or
+    trained (only the source's config and tokenizer were read)."""
 
 
 def test_resume_refuses_options_that_shape_training_other_than_the_runs(llama_and_corpus, monkeypatch, capsys):
@@ -158,7 +159,7 @@ def test_resume_refuses_options_that_shape_training_other_than_the_runs(llama_an
         assert "--eval-length" not in message and "--max-minutes" not in message  # only what differs
         assert {p: p.read_bytes() if p.is_file() else None for p in run.rglob("*")} == before  # nothing changed
 
-    # Options that do not shape training pass the check: it comes before anything is loaded or changed.
+    # Options that do not shape training pass the check: it comes before anything is changed or trained.
     def prepared(*args, **kwargs):
         raise FolderPrepared
 
