@@ -105,6 +105,8 @@ RECIPES = {
     # The slow pairs turning 4 times slower past 8k instead of stopping there: the default since 2026-11-30 (the
     # study's "compress-slow-pairs" recipe then, on the clamped default).
     "compress-slow-pairs": ["--slow-pairs", "compress"],
+    # Compressed for a model meant for 64k (8 times slower past 8k), still trained on 32k blocks.
+    "compress-to-64k": ["--interpolate-to", "65536"],
     # The default with twice its copied spans (128 a 32k block, the most a block holds): more training that rewards
     # retrieval from far back (measured on the clamped default, 2026-11-30).
     "copy-spans-128": ["--copy-spans", "128"],

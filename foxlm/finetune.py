@@ -169,6 +169,10 @@ def build_parser(prog=None):
                                "past it), drop it, or interpolate it (turn them as far over --context tokens as the "
                                "original did over the cut: YaRN's interpolation of the slow pairs, without its "
                                "temperature)")
+    transfer.add_argument("--interpolate-to", type=float, default=None, metavar="CONTEXT",
+                          help="with the slow pairs compressed or interpolated, the context the model is meant for, in "
+                               "tokens (default: --context): they turn CONTEXT / cut times slower (past the cut when "
+                               "compressed); given alone, it compresses them")
     transfer.add_argument("--gate-bias", type=float, default=None, metavar="B",
                           help="with RoPE kept, whole or in part: every forget gate starts at f = sigmoid(B), a "
                                "decay time of about e^B tokens; higher forgets far tokens more slowly (default: "
@@ -297,7 +301,7 @@ def check_args(parser, args):
     for name in ("transfer_steps", "transfer_qk_rank", "teacher_samples", "copy_spans"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
-    for name in ("transfer_lr", "lr", "max_minutes", "partial_rope"):  # --partial-rope alone is True: it passes
+    for name in ("transfer_lr", "lr", "max_minutes", "partial_rope", "interpolate_to"):  # --partial-rope: True passes
         value = getattr(args, name)
         if value is not None and not (value > 0 and math.isfinite(value)):
             parser.error(f"--{name.replace('_', '-')} must be a positive number, got {value}")
@@ -313,6 +317,10 @@ def check_args(parser, args):
     if args.slow_pairs is not None and not args.partial_rope:
         parser.error("--slow-pairs says what --partial-rope does with the channel pairs slower than its cut; it does "
                      "not go with --drop-rope or --keep-rope")
+    if args.interpolate_to is not None and (not args.partial_rope or args.slow_pairs in ("clamp", "drop")):
+        parser.error("--interpolate-to says how much slower the slow pairs of --partial-rope turn with --slow-pairs "
+                     "compress or interpolate; it does not go with "
+                     + (f"--slow-pairs {args.slow_pairs}" if args.partial_rope else "--drop-rope or --keep-rope"))
     if not (args.kl_weight >= 0 and math.isfinite(args.kl_weight)):
         parser.error(f"--kl-weight must be 0 or a positive number, got {args.kl_weight}")
     if not (args.sample_temperature > 0 and math.isfinite(args.sample_temperature)):
@@ -579,7 +587,7 @@ OPTIONS_FILE = "training_options.json"
 TRAINING_OPTIONS = ("model", "text_files", "dataset", "text_column", "train_domains", "group_related",
                     "copy_spans", "teacher_samples",
                     "sample_temperature", "sample_length", "partial_rope", "drop_rope", "keep_rope", "slow_pairs",
-                    "gate_bias", "token_shift",
+                    "interpolate_to", "gate_bias", "token_shift",
                     "output_gate", "transfer_steps", "transfer_qk_rank", "transfer_lr", "transfer_length",
                     "transfer_batch_size", "context", "steps", "tokens_per_step", "micro_batch_size",
                     "context_parallel", "processes", "full", "lora_r", "lora_modules", "lr", "warmup_steps",
@@ -606,6 +614,7 @@ def training_options(args, processes):
     unused = {"lora_r": args.full, "lora_modules": args.full, "sample_temperature": not args.teacher_samples,
               "sample_length": not args.teacher_samples, "teacher_context": not args.kl_weight,
               "gate_bias": args.drop_rope, "slow_pairs": not args.partial_rope,
+              "interpolate_to": args.slow_pairs not in ("interpolate", "compress"),
               "group_related": bool(args.text_files or args.dataset),
               **dict.fromkeys(("transfer_qk_rank", "transfer_lr", "transfer_length", "transfer_batch_size"),
                               not args.transfer_steps)}
@@ -636,6 +645,8 @@ def recorded_options(run_dir):
         options.update(partial_rope=False, drop_rope=True, keep_rope=False)
     if options.get("partial_rope") and "slow_pairs" not in options:  # recorded before --slow-pairs: dropped
         options["slow_pairs"] = "drop"
+    if options.get("slow_pairs") in ("interpolate", "compress") and "interpolate_to" not in options:
+        options["interpolate_to"] = options.get("context")  # recorded before --interpolate-to: --context
     if "train_domains" in options and "group_related" not in options:  # recorded before --group-related: shuffled
         options["group_related"] = False
     if "context" in options and "copy_spans" not in options:  # recorded before --copy-spans: none
@@ -730,14 +741,19 @@ def transfer_options(args, documents, context):
                 transfer_qk_rank=args.transfer_qk_rank)
 
 
-def default_slow_pairs(args, source_config):
-    """--slow-pairs when it is not given (with --partial-rope): compressed when --context reaches past the cut, so
-    that the slow pairs keep turning where the model is trained (docs/retrofit.md, "Compressed slow pairs"), clamped
-    otherwise: within the cut both rotate as the original does, and there is nothing past it to compress for."""
+def resolve_slow_pairs(args, source_config):
+    """--slow-pairs when it is not given (with --partial-rope): compressed when --context reaches past the cut (or
+    --interpolate-to is given), so that the slow pairs keep turning where the model is trained (docs/retrofit.md,
+    "Compressed slow pairs"), clamped otherwise: within the cut both rotate as the original does, and there is nothing
+    past it to compress for. Compressed or interpolated, --interpolate-to defaults to --context."""
+    from foxlm.configuration_fox import SLOWER_SLOW_PAIRS
     from foxlm.conversion.llama import partial_rope_cut
 
     if args.partial_rope and args.slow_pairs is None:
-        args.slow_pairs = "compress" if args.context > partial_rope_cut(source_config, args.partial_rope) else "clamp"
+        reaches_past = args.context > partial_rope_cut(source_config, args.partial_rope)
+        args.slow_pairs = "compress" if reaches_past or args.interpolate_to is not None else "clamp"
+    if args.slow_pairs in SLOWER_SLOW_PAIRS and args.interpolate_to is None:
+        args.interpolate_to = args.context
 
 
 def rope_options(args):
@@ -751,7 +767,7 @@ def rope_options(args):
         return {}
     slow_pairs = {"slow_pairs": args.slow_pairs} if args.partial_rope else {}
     if args.slow_pairs in SLOWER_SLOW_PAIRS:
-        slow_pairs["interpolate_to"] = args.context
+        slow_pairs["interpolate_to"] = args.interpolate_to
     return dict(partial_rope=args.partial_rope, keep_rope=args.keep_rope, gate_init="open", gate_bias=args.gate_bias,
                 **slow_pairs)
 
@@ -975,7 +991,7 @@ def main(argv=None, prog=None):
     source_config, tokenizer = processes.first_on_rank_zero(lambda: (
         AutoConfig.from_pretrained(name_or_path, **kwargs), AutoTokenizer.from_pretrained(name_or_path, **kwargs)))
     processes.check_heads(source_config)
-    default_slow_pairs(args, source_config)  # before the options are recorded
+    resolve_slow_pairs(args, source_config)  # before the options are recorded
     processes.once(lambda: start_run(args, run_dir, source, processes), share=False)
     converted_dir, fine_tuned_dir = run_dir / "converted", run_dir / "fine-tuned"
     if args.eval_only:

@@ -178,11 +178,17 @@ def test_resume_refuses_options_that_shape_training_other_than_the_runs(llama_an
         ("--model", root / "llama"), ("--context", 128), ("--steps", 2), ("--lora-r", 4))), adopted
     # A run recorded before --slow-pairs existed dropped the slow pairs, and resumes so.
     record = json.loads((run / "training_options.json").read_text())
-    assert record["options"].pop("slow_pairs") == "clamp"
+    assert record["options"].pop("slow_pairs") == "clamp" and "interpolate_to" not in record["options"]
     (run / "training_options.json").write_text(json.dumps(record))
     with pytest.raises(FolderPrepared):
         foxlm(["finetune", "--output-dir", str(run), "--resume", "--skip-eval"])
     assert "--slow-pairs drop" in capsys.readouterr().out
+    # One compressed before --interpolate-to existed compressed them to its --context.
+    (run / "training_options.json").write_text(json.dumps({**record, "options": {**record["options"],
+                                                                               "slow_pairs": "compress"}}))
+    with pytest.raises(FolderPrepared):
+        foxlm(["finetune", "--output-dir", str(run), "--resume", "--skip-eval"])
+    assert "--interpolate-to 128" in capsys.readouterr().out
     # A run recorded before partial RoPE existed dropped RoPE whole, and resumes so.
     for name in ("partial_rope", "drop_rope", "keep_rope"):
         del record["options"][name]
@@ -272,6 +278,13 @@ def test_partial_rope_with_slow_pairs_compressed_past_the_original_context_by_de
                                           "--steps", "1", "--skip-eval", "--teacher-samples", "0")])
         config = json.loads((root / slow_pairs / "fine-tuned" / "config.json").read_text())
         assert config["rope_slow_pairs"] == slow_pairs and config["rope_slow_pairs_factor"] == 2
+    # --interpolate-to: a model meant for a longer context than it is trained on (compressed, given alone).
+    foxlm(["finetune", *finetune_args(root, "meant-for-512", "--interpolate-to", "512", "--context", "256",
+                                      "--steps", "1", "--skip-eval", "--teacher-samples", "0")])
+    config = json.loads((root / "meant-for-512" / "fine-tuned" / "config.json").read_text())
+    assert (config["rope_slow_pairs"], config["rope_slow_pairs_factor"]) == ("compress", 4)
+    options = json.loads((root / "meant-for-512" / "training_options.json").read_text())["options"]
+    assert (options["slow_pairs"], options["interpolate_to"]) == ("compress", 512)
     # --gate-bias sets the gates' start with RoPE kept, and is recorded.
     foxlm(["finetune", *finetune_args(root, "gate-bias", "--keep-rope", "--gate-bias", "10", "--steps", "1",
                                       "--skip-eval", "--teacher-samples", "0")])
@@ -289,6 +302,13 @@ def test_bad_arguments_are_named_before_any_training(llama_and_corpus, capsys):
     for slow_pairs in ("interpolate", "compress"):  # slower over the original's own context
         with pytest.raises(SystemExit, match="--context"):
             foxlm(["finetune", *finetune_args(root, f"{slow_pairs}-128", "--slow-pairs", slow_pairs)])
+    with pytest.raises(SystemExit, match="--interpolate-to, by default --context.* got 100"):
+        foxlm(["finetune", *finetune_args(root, "meant-for-100", "--interpolate-to", "100")])
+    for options, named in ((["--slow-pairs", "clamp"], "--slow-pairs clamp"), (["--drop-rope"], "--drop-rope"),
+                           (["--interpolate-to", "0"], "--interpolate-to must be a positive number, got 0.0")):
+        with pytest.raises(SystemExit):
+            foxlm(["finetune", *finetune_args(root, "bad-interpolate-to", "--interpolate-to", "512", *options)])
+        assert named in capsys.readouterr().err
     with pytest.raises(SystemExit):
         foxlm(["finetune", *finetune_args(root, "both-ropes", "--partial-rope", "--keep-rope")])
     assert "not allowed with argument" in capsys.readouterr().err

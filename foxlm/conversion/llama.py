@@ -153,7 +153,8 @@ def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_p
                               f"slow_pairs={slow_pairs!r}, interpolate_to={interpolate_to!r}.")
     if interpolate_to is not None and (isinstance(interpolate_to, bool) or not (
             isinstance(interpolate_to, (int, float)) and cut < interpolate_to < math.inf)):
-        raise ConversionError(f"interpolate_to, the context the model is meant for (`foxlm finetune`: --context), "
+        raise ConversionError(f"interpolate_to, the context the model is meant for (`foxlm finetune`: "
+                              f"--interpolate-to, by default --context), "
                               f"must be a number of tokens above partial RoPE's cut ({cut:g}), got {interpolate_to!r}.")
     fields = {name: getattr(config, name) for name in COPIED_FIELDS if getattr(config, name, None) is not None}
     fields["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
