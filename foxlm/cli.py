@@ -21,6 +21,7 @@ from foxlm.errors import FoxlmError
 # and foxlm.configuration_fox's (tests/test_cli.py checks that they agree), written here because those import torch.
 GATE_INITS = ("open", "decay-spread")
 SLOW_PAIRS = ("drop", "clamp", "interpolate", "compress")
+SLOWER_SLOW_PAIRS = ("interpolate", "compress")  # the two that --interpolate-to sets
 DEFAULT_GATE_INIT = "decay-spread"
 DEFAULT_GATE_BIAS = 5.0
 DEFAULT_DECAY_TIMES = (2.0, 512.0)

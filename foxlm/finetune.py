@@ -36,7 +36,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from foxlm.cli import SLOW_PAIRS
+from foxlm.cli import SLOW_PAIRS, SLOWER_SLOW_PAIRS
 from foxlm.data import COPY_SPAN_LENGTHS, EVAL_PERCENT
 
 LORA_LR, FULL_LR = 3e-3, 3e-4  # benchmarks/NOTES_finetune.md: how they were chosen
@@ -614,7 +614,7 @@ def training_options(args, processes):
     unused = {"lora_r": args.full, "lora_modules": args.full, "sample_temperature": not args.teacher_samples,
               "sample_length": not args.teacher_samples, "teacher_context": not args.kl_weight,
               "gate_bias": args.drop_rope, "slow_pairs": not args.partial_rope,
-              "interpolate_to": args.slow_pairs not in ("interpolate", "compress"),
+              "interpolate_to": args.slow_pairs not in SLOWER_SLOW_PAIRS,
               "group_related": bool(args.text_files or args.dataset),
               **dict.fromkeys(("transfer_qk_rank", "transfer_lr", "transfer_length", "transfer_batch_size"),
                               not args.transfer_steps)}
@@ -645,7 +645,7 @@ def recorded_options(run_dir):
         options.update(partial_rope=False, drop_rope=True, keep_rope=False)
     if options.get("partial_rope") and "slow_pairs" not in options:  # recorded before --slow-pairs: dropped
         options["slow_pairs"] = "drop"
-    if options.get("slow_pairs") in ("interpolate", "compress") and "interpolate_to" not in options:
+    if options.get("slow_pairs") in SLOWER_SLOW_PAIRS and "interpolate_to" not in options:
         options["interpolate_to"] = options.get("context")  # recorded before --interpolate-to: --context
     if "train_domains" in options and "group_related" not in options:  # recorded before --group-related: shuffled
         options["group_related"] = False
@@ -746,7 +746,6 @@ def resolve_slow_pairs(args, source_config):
     --interpolate-to is given), so that the slow pairs keep turning where the model is trained (docs/retrofit.md,
     "Compressed slow pairs"), clamped otherwise: within the cut both rotate as the original does, and there is nothing
     past it to compress for. Compressed or interpolated, --interpolate-to defaults to --context."""
-    from foxlm.configuration_fox import SLOWER_SLOW_PAIRS
     from foxlm.conversion.llama import partial_rope_cut
 
     if args.partial_rope and args.slow_pairs is None:
@@ -761,8 +760,6 @@ def rope_options(args):
     what the original did inside its context, so every gate starts nearly open (--gate-bias, by default
     ROPE_GATE_BIAS: docs/retrofit.md) rather than with the short decay times that stand in for RoPE's recency when it
     is dropped."""
-    from foxlm.configuration_fox import SLOWER_SLOW_PAIRS
-
     if not (args.partial_rope or args.keep_rope):
         return {}
     slow_pairs = {"slow_pairs": args.slow_pairs} if args.partial_rope else {}
