@@ -73,7 +73,8 @@ RECIPES = {
     "drop-slow-pairs": ["--slow-pairs", "drop"],
     "clamp-slow-pairs": ["--slow-pairs", "clamp"],
     "clamp-slow-pairs-gate-bias-10": ["--slow-pairs", "clamp", "--gate-bias", "10"],
-    # The gates' start with partial RoPE: decay times of about 8k and 22k tokens instead of 1,100.
+    # The gates' start with partial RoPE: decay times of about 8k and 22k tokens instead of 1,100 (on compressed slow
+    # pairs, 2026-11-30: not the default).
     "gate-bias-9": ["--gate-bias", "9"],
     "gate-bias-10": ["--gate-bias", "10"],
     "kl-30": ["--kl-weight", "30"],
