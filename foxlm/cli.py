@@ -337,8 +337,8 @@ def run_needle(args):
     import torch
 
     from foxlm.data import DOMAIN_ALIASES, DOMAINS
-    from foxlm.evaluation import NEEDLE_DEPTHS, held_out_haystacks, load_causal_lm, needle_over_haystacks
-    from foxlm.evaluation import needle_summary, plot_needle, write_json
+    from foxlm.evaluation import NEEDLE_DEPTHS, accuracy_by_distance_text, held_out_haystacks, load_causal_lm
+    from foxlm.evaluation import needle_over_haystacks, needle_summary, plot_needle, write_json
 
     json_path, png_path = eval_output_paths(args, "needle.json", "needle.png")
     args.depths = args.depths or list(NEEDLE_DEPTHS)
@@ -363,11 +363,12 @@ def run_needle(args):
     scores, answers = needle_over_haystacks(model, tokenizer, haystacks, args.context_lengths, args.depths)
     summary = needle_summary(scores, args.context_lengths, args.depths, answers)
     write_json({"model": str(args.model), "data": args.data, **summary}, json_path)
-    plot_needle(summary["scores"], args.context_lengths, args.depths, png_path,
-                title=f"Needle in a haystack: {args.model}")
+    plot_needle({args.data: {str(args.model): summary}}, png_path, title=f"Needle in a haystack: {args.model}")
     by_context = ", ".join(f"{c}: {a:.2f}" for c, a in summary["accuracy_by_context"].items())
     print(f"accuracy {scores.mean():.2f} over {scores.size} trials in {args.haystacks} haystack"
-          f"{'s' if args.haystacks > 1 else ''} (by context length: {by_context}); wrote {json_path} and {png_path}")
+          f"{'s' if args.haystacks > 1 else ''} (by context length: {by_context}; by tokens between the needle and "
+          f"the question: {accuracy_by_distance_text(summary['accuracy_by_distance'], ': ')}); wrote {json_path} "
+          f"and {png_path}")
 
 
 def at_least(minimum):

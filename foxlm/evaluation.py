@@ -412,14 +412,16 @@ def needle_summary(scores, context_lengths, depths, answers=None):
     """The JSON-ready result of `needle_in_a_haystack`: the score grid, the overall accuracy, the accuracy at each
     context length (over depths) and, when given, the generated answers. Scores of several haystacks
     (`needle_over_haystacks`) give the fraction of haystacks passed in each cell of the grid, and each haystack's
-    grid and answers as "scores_by_haystack" and "answers_by_haystack"; of one, the summary of that one."""
+    grid and answers as "scores_by_haystack" and "answers_by_haystack"; of one, the summary of that one. Also the
+    accuracy pooled over all lengths by the needle's distance from the question (`accuracy_by_distance`)."""
     scores = np.asarray(scores)
     if scores.ndim == 3 and len(scores) == 1:
         scores, answers = scores[0], None if answers is None else answers[0]
     grid = scores.mean(0) if scores.ndim == 3 else scores
     summary = {"context_lengths": list(context_lengths), "depths": list(depths), "scores": grid.tolist(),
                "accuracy": float(scores.mean()),
-               "accuracy_by_context": {str(c): float(grid[:, i].mean()) for i, c in enumerate(context_lengths)}}
+               "accuracy_by_context": {str(c): float(grid[:, i].mean()) for i, c in enumerate(context_lengths)},
+               "accuracy_by_distance": accuracy_by_distance(scores, context_lengths, depths)}
     if scores.ndim == 3:
         summary.update(haystacks=len(scores), scores_by_haystack=scores.tolist())
     if answers is not None:
@@ -427,22 +429,76 @@ def needle_summary(scores, context_lengths, depths, answers=None):
     return summary
 
 
+def accuracy_by_distance(scores, context_lengths, depths):
+    """The needle's accuracy pooled over context lengths (and haystacks) by how far before the end of the prompt it
+    lies: (1 - depth) x context length tokens, to within the needle's and the question's few dozen. Bands double:
+    {"0-512": {"accuracy": a, "trials": n}, "512-1024": ..., ...}, each (lo, hi] (the first [0, 512]), only the bands
+    some trial falls in. Where retrieval fails is often a matter of distance more than of length."""
+    scores = np.asarray(scores, dtype=float)
+    scores = scores if scores.ndim == 3 else scores[None]
+    distance = np.outer(1.0 - np.asarray(depths, dtype=float), np.asarray(context_lengths, dtype=float))
+    edges = [0, 512]
+    while edges[-1] < distance.max():
+        edges.append(2 * edges[-1])
+    band = np.maximum(np.searchsorted(edges, distance, side="left"), 1)
+    return {f"{edges[i - 1]}-{edges[i]}": {"accuracy": float(scores[:, band == i].mean()),
+                                           "trials": int(scores[:, band == i].size)}
+            for i in np.unique(band).tolist()}
+
+
 def accuracy_by_context_text(accuracy_by_context, separator=" "):
     """`needle_summary`'s accuracy_by_context in a line: "2k 100%, 4k 55%, ..." (lengths under 1k as they are)."""
-    return ", ".join(f"{int(c) // 1024}k{separator}{a:.0%}" if int(c) >= 1024 else f"{c}{separator}{a:.0%}"
-                     for c, a in accuracy_by_context.items())
+    return ", ".join(f"{short_tokens(int(c))}{separator}{a:.0%}" for c, a in accuracy_by_context.items())
 
 
-def plot_needle(scores, context_lengths, depths, path, title="Needle in a haystack (easy mode)"):
-    """Heatmap of pass (1) / fail (0), or the fraction of haystacks passed, over depth (rows) and context length
-    (columns); saved as PNG."""
-    fig, ax = pyplot().subplots(figsize=(1 + 0.6 * len(context_lengths), 1 + 0.4 * len(depths)))
-    ax.imshow(scores, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-    ax.set_xticks(range(len(context_lengths)), [f"{c // 1024}k" if c >= 1024 else str(c) for c in context_lengths])
-    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("needle depth")
-    ax.set_title(title)
+def accuracy_by_distance_text(accuracy_by_distance, separator=" "):
+    """`needle_summary`'s accuracy_by_distance in a line: "0-512 100%, 512-1k 80%, 1k-2k 55%, ..."."""
+    return ", ".join(f"{short_band(band)}{separator}{result['accuracy']:.0%}"
+                     for band, result in accuracy_by_distance.items())
+
+
+def short_tokens(count):
+    """A token count as the tables write it: 512, 2k, 32k."""
+    return f"{count // 1024}k" if count >= 1024 and count % 1024 == 0 else str(count)
+
+
+def short_band(band):
+    """A band "lo-hi" of token counts as "512-1k", "2k-4k"."""
+    return "-".join(short_tokens(int(bound)) for bound in band.split("-"))
+
+
+def plot_needle(results, path, title="Needle in a haystack (easy mode)"):
+    """`needle_summary` results as one row of panels per haystack domain ({domain: {model: summary}}): a heatmap of
+    pass (1) / fail (0), or the fraction of haystacks passed, over depth and context length for each model, and the
+    accuracy of every model by the needle's distance from the question (`accuracy_by_distance`); saved as PNG."""
+    plt = pyplot()
+    columns = max(len(models) for models in results.values()) + 1
+    lengths = max(len(summary["context_lengths"]) for models in results.values() for summary in models.values())
+    fig, axes = plt.subplots(len(results), columns, figsize=(columns * max(3.0, 1 + 0.6 * lengths), 5 * len(results)),
+                             squeeze=False)
+    for row, (domain, models) in zip(axes, results.items()):
+        for ax, (label, summary) in zip(row, models.items()):
+            ax.imshow(summary["scores"], cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+            ax.set_xticks(range(len(summary["context_lengths"])),
+                          [short_tokens(c) for c in summary["context_lengths"]])
+            ax.set_yticks(range(len(summary["depths"])), [f"{d:.0%}" for d in summary["depths"]])
+            ax.set_xlabel("context length (tokens)")
+            ax.set_ylabel(f"needle depth ({domain} haystack)")
+            ax.set_title(label, fontsize=10)
+        ax = row[-1]
+        for label, summary in models.items():
+            bands = summary["accuracy_by_distance"]
+            ax.plot(range(len(bands)), [band["accuracy"] for band in bands.values()], marker="o", label=label)
+            ax.set_xticks(range(len(bands)), [short_band(band) for band in bands], rotation=45)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("tokens between the needle and the question")
+        ax.set_ylabel("accuracy, all lengths")
+        ax.set_title("by distance", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        for ax in row[len(models):-1]:
+            ax.axis("off")
+    fig.suptitle(title)
     fig.tight_layout()
     return save_figure(fig, path)
 

@@ -886,7 +886,7 @@ ORIGINAL_WINDOWED = "original, sliding window"
 
 def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, context):
     """Per-token loss and top-1 agreement with the original on every held-out domain, and the needle test; written
-    to DIR/evaluation.json and .png, DIR/needle.json, and the headline numbers to DIR/summary.json."""
+    to DIR/evaluation.json and .png, DIR/needle.json and .png, and the headline numbers to DIR/summary.json."""
     import numpy as np
     import torch
 
@@ -938,10 +938,10 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
 
 def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device):
     """Needle-in-a-haystack accuracy by context length of the original and the fine-tuned model, one test per
-    haystack of --needle-haystacks: {haystack: {label: {context length: accuracy}}}, and DIR/needle.json."""
+    haystack of --needle-haystacks: {haystack: {label: {context length: accuracy}}}, and DIR/needle.json and .png."""
     from foxlm.data import evenly_spaced
-    from foxlm.evaluation import (NEEDLE_DEPTHS, accuracy_by_context_text, load_causal_lm, needle_over_haystacks,
-                                  needle_summary, write_json)
+    from foxlm.evaluation import (NEEDLE_DEPTHS, accuracy_by_context_text, accuracy_by_distance_text, load_causal_lm,
+                                  needle_over_haystacks, needle_summary, plot_needle, write_json)
 
     lengths = [2048 * 2**k for k in range(8) if 2048 * 2**k <= args.eval_length] or [args.eval_length]
     depths = list(NEEDLE_DEPTHS)
@@ -964,11 +964,14 @@ def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device):
         del model
     write_json({"haystacks": {domain: {"models": models} for domain, models in results.items()}},
                run_dir / "needle.json")
+    png = plot_needle(results, run_dir / "needle.png")
     several = f", {args.needle_docs} documents" if args.needle_docs > 1 else ""
     for domain, models in results.items():
         for label, result in models.items():
             print(f"needle in a haystack ({domain}{several}), {label}: "
-                  f"{accuracy_by_context_text(result['accuracy_by_context'], ': ')}")
+                  f"{accuracy_by_context_text(result['accuracy_by_context'], ': ')}; by tokens between the needle "
+                  f"and the question: {accuracy_by_distance_text(result['accuracy_by_distance'], ': ')}")
+    print(f"needle plot: {png}")
     return {domain: {label: result["accuracy_by_context"] for label, result in models.items()}
             for domain, models in results.items()}
 

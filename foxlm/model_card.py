@@ -232,7 +232,7 @@ def measured_lines(facts):
                      f"step {first_step}, {last:.3f} at step {last_step}; the run's train_log.json has every value.")
     lines.append("`foxlm finetune` then measures the per-token loss L(i) and the top-1 agreement with the original "
                  "of the original, the converted and the fine-tuned model on held-out documents of every domain, and "
-                 "needle in a haystack (the run's evaluation.json and .png, needle.json, summary.json); "
+                 "needle in a haystack (the run's evaluation.json and .png, needle.json and .png, summary.json); "
                  "`foxlm eval per-token-loss` measures it again on any data.")
     return lines
 

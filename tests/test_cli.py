@@ -143,6 +143,8 @@ def test_eval_needle_writes_a_score_grid_and_heatmap(saved_models):
     result = json.loads((out / "needle.json").read_text())
     assert np.array(result["scores"]).shape == (2, 2) and 0.0 <= result["accuracy"] <= 1.0
     assert list(result["accuracy_by_context"]) == ["400", "800"]
+    # Needles 0, 400 and 800 tokens before the question: two distance bands, 3 trials and 1.
+    assert {band: r["trials"] for band, r in result["accuracy_by_distance"].items()} == {"0-512": 3, "512-1024": 1}
     assert np.array(result["answers"]).shape == (2, 2)  # what the model generated in each trial
     assert (out / "needle.png").read_bytes()[:4] == b"\x89PNG"
 

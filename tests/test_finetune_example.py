@@ -72,8 +72,9 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
         assert set(models) == {"original (RoPE)", "converted, fine-tuned"}
         assert all(len(m["answers"]) == 11 for m in models.values())
         assert summary["needle"][haystack]["original (RoPE)"] == models["original (RoPE)"]["accuracy_by_context"]
+    assert (run / "needle.png").read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[-1] == f"plot: {run / 'evaluation.png'}"
+    assert out[-1] == f"plot: {run / 'evaluation.png'}" and f"needle plot: {run / 'needle.png'}" in out
     assert any(line.startswith("prose: fine-tuned vs original at positions < 128: loss ") for line in out)
     assert any(line.startswith("needle in a haystack (prose), converted, fine-tuned: 512") for line in out)
     assert any(line.startswith("needle in a haystack (held-out), converted, fine-tuned: 512") for line in out)

@@ -24,6 +24,8 @@ from foxlm.data import (
     tokenize_documents,
 )
 from foxlm.evaluation import (
+    accuracy_by_distance,
+    accuracy_by_distance_text,
     band_edges,
     band_means,
     evaluate_models,
@@ -222,8 +224,25 @@ def test_plots_are_written_as_png(tmp_path):
     curves = {"a": np.linspace(3, 2, 500), "b": np.linspace(3, 2.5, 400)}
     path = plot_per_token_loss(curves, tmp_path / "loss.png", train_context=256, original_context=128)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    path = plot_needle(np.eye(3), [1024, 2048, 4096], [0.0, 0.5, 1.0], tmp_path / "needle.png")
+    one = needle_summary(np.eye(3), [1024, 2048, 4096], [0.0, 0.5, 1.0])
+    two = needle_summary(np.ones((2, 2)), [1024, 2048], [0.0, 1.0])
+    path = plot_needle({"prose": {"a": one, "b": two}, "code": {"a": one}}, tmp_path / "needle.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_needle_accuracy_pooled_by_distance_from_the_question():
+    # Needles (1 - depth) x length tokens before the question: depth 0 at 1k and 4k, 1k and 4k back; depth 0.5, 512
+    # and 2k; depth 1, 0 and 0. Bands double from 512, each (lo, hi]; two haystacks pool their trials.
+    first = np.array([[1, 0], [1, 1], [1, 1]], dtype=float)
+    second = np.array([[0, 0], [0, 1], [1, 0]], dtype=float)
+    by_distance = accuracy_by_distance(np.stack([first, second]), [1024, 4096], [0.0, 0.5, 1.0])
+    assert by_distance == {"0-512": {"accuracy": pytest.approx(4 / 6), "trials": 6},
+                           "512-1024": {"accuracy": 0.5, "trials": 2},
+                           "1024-2048": {"accuracy": 1.0, "trials": 2},
+                           "2048-4096": {"accuracy": 0.0, "trials": 2}}
+    assert needle_summary(first, [1024, 4096], [0.0, 0.5, 1.0])["accuracy_by_distance"] == accuracy_by_distance(
+        first, [1024, 4096], [0.0, 0.5, 1.0])
+    assert accuracy_by_distance_text(by_distance) == "0-512 67%, 512-1k 50%, 1k-2k 100%, 2k-4k 0%"
 
 
 def test_report_leaves_sparse_positions_out_of_bands_and_plot_but_keeps_them_raw(tmp_path):
