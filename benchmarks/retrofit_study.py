@@ -106,8 +106,10 @@ RECIPES = {
     # The slow pairs turning 4 times slower past 8k instead of stopping there: the default since 2026-11-30 (the
     # study's "compress-slow-pairs" recipe then, on the clamped default).
     "compress-slow-pairs": ["--slow-pairs", "compress"],
-    # Compressed for a model meant for 64k (8 times slower past 8k), still trained on 32k blocks.
+    # Compressed for a model meant for 64k or 128k (8 or 16 times slower past 8k), still trained on 32k blocks: the
+    # 16-32k band's slow-pair angles (10k-14k by default, which the original never saw) nearer the cut.
     "compress-to-64k": ["--interpolate-to", "65536"],
+    "compress-to-128k": ["--interpolate-to", "131072"],
     # The default with twice its copied spans (128 a 32k block, the most a block holds): more training that rewards
     # retrieval from far back (measured on the clamped default, 2026-11-30).
     "copy-spans-128": ["--copy-spans", "128"],
