@@ -497,11 +497,13 @@ def add_eval_commands(commands):
     loss.set_defaults(func=run_per_token_loss)
 
     needle = kinds.add_parser(
-        "needle", help="needle-in-a-haystack (easy mode) over context lengths and depths, JSON + PNG heatmap",
+        "needle", help="needle-in-a-haystack (easy mode) over context lengths and depths, JSON + PNG heatmaps",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="The FoX paper's easy mode: the needle carries its question, the prompt ends with the\n"
                     "question, and a trial passes when greedy decoding completes the answer. The haystack is\n"
-                    "cut from the --data documents (default: held-out prose).\n\n"
+                    "cut from the --data documents (default: held-out prose). The results give the accuracy\n"
+                    "by context length and, pooled over lengths, by the tokens between the needle and the\n"
+                    "question (bands doubling from 512): retrieval often fails at a distance, not a length.\n\n"
                     "example:\n"
                     "  foxlm eval needle my-fox --context-lengths 2048,4096,8192,16384,32768 --depths 0,0.5,1\n"
                     "  foxlm eval needle my-fox --context-lengths 4096,16384 --haystacks 3  # 33 trials a length",
