@@ -478,7 +478,7 @@ def plot_needle(results, path, title="Needle in a haystack (easy mode)"):
                              squeeze=False)
     for row, (domain, models) in zip(axes, results.items()):
         for ax, (label, summary) in zip(row, models.items()):
-            ax.imshow(summary["scores"], cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+            image = ax.imshow(summary["scores"], cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
             ax.set_xticks(range(len(summary["context_lengths"])),
                           [short_tokens(c) for c in summary["context_lengths"]])
             ax.set_yticks(range(len(summary["depths"])), [f"{d:.0%}" for d in summary["depths"]])
@@ -498,6 +498,9 @@ def plot_needle(results, path, title="Needle in a haystack (easy mode)"):
         ax.legend(fontsize=8)
         for ax in row[len(models):-1]:
             ax.axis("off")
+        haystacks = next(iter(models.values())).get("haystacks")
+        fig.colorbar(image, ax=row[len(models) - 1],
+                     label=f"fraction of {haystacks} haystacks passed" if haystacks else "passed")
     fig.suptitle(title)
     fig.tight_layout()
     return save_figure(fig, path)
