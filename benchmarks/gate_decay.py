@@ -9,13 +9,14 @@ shows whether the gates close more on text unlike what the model was fine-tuned 
 
     python benchmarks/gate_decay.py --model foxlm-long-context/fine-tuned --length 32768
 
-Writes gate_decay_<device>_<date>.json and .png in --out.
+Writes gate_decay_<device>_<date>.json (a `foxlm.benchmarks.run_record` record) and .png in --out.
 """
 
 import argparse
 import contextlib
-import time
 from pathlib import Path
+
+from foxlm.benchmarks.run_record import RESULTS_DIR, new_record, record_path, write_record
 
 # A key whose logit the gate lowers by more than this many nats keeps under 1% of the weight it would have without
 # the gate (e^-5 = 0.7%).
@@ -67,18 +68,17 @@ def measure(model, documents, gaps):
     device = next(model.parameters()).device
     results = {}
     for domain, docs in documents.items():
-        sums = {}
+        sums = {}  # {gap: (layers, 2 statistics, heads)}
         for doc in tqdm(docs, desc=domain, unit="document"):
             with torch.no_grad(), recorded_log_fgates(model, []) as per_layer:
                 model.model(torch.tensor([doc], device=device), use_cache=False)
-            for layer, log_fgate in enumerate(per_layer):
-                for gap, values in decay_statistics(log_fgate[0], gaps).items():
-                    layer_sums = sums.setdefault(gap, [None] * len(per_layer))
-                    stacked = torch.stack(values).cpu()
-                    layer_sums[layer] = stacked if layer_sums[layer] is None else layer_sums[layer] + stacked
-        results[domain] = {str(gap): {"median_decay": [(s[0] / len(docs)).tolist() for s in layer_sums],
-                                      "within_reach": [(s[1] / len(docs)).tolist() for s in layer_sums]}
-                           for gap, layer_sums in sums.items()}
+            layers = [decay_statistics(log_fgate[0], gaps) for log_fgate in per_layer]
+            for gap in layers[0]:
+                stats = torch.stack([torch.stack(layer[gap]) for layer in layers]).cpu()
+                sums[gap] = sums[gap] + stats if gap in sums else stats
+        results[domain] = {str(gap): {"median_decay": (stats[:, 0] / len(docs)).tolist(),
+                                      "within_reach": (stats[:, 1] / len(docs)).tolist()}
+                           for gap, stats in sums.items()}
     return results
 
 
@@ -121,7 +121,7 @@ def main(argv=None):
     parser.add_argument("--length", type=int, default=32768, help="tokens per document (default: %(default)s)")
     parser.add_argument("--docs", type=int, default=4, help="documents per domain (default: %(default)s)")
     parser.add_argument("--corpus-dir", default=None, help="packed corpora (default: the installed packages)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder of the results")
+    parser.add_argument("--out", default=RESULTS_DIR, help="folder of the results (default: %(default)s)")
     args = parser.parse_args(argv)
     for name in ("length", "docs"):
         if getattr(args, name) < 1:
@@ -133,7 +133,7 @@ def main(argv=None):
 
     from foxlm import FoxForCausalLM
     from foxlm.data import held_out_documents
-    from foxlm.evaluation import load_causal_lm, short_tokens, write_json
+    from foxlm.evaluation import load_causal_lm, short_tokens
 
     on_gpu = torch.cuda.is_available()
     dtype, device = (torch.bfloat16, "cuda") if on_gpu else (torch.float32, "cpu")
@@ -145,15 +145,15 @@ def main(argv=None):
         documents[domain] = held_out_documents(tokenizer, domain, args.length, args.docs, args.corpus_dir)
         if not documents[domain]:
             parser.error(f"--domains: the held-out {domain} text has no {args.length} tokens; give a smaller --length")
-    results = measure(model, documents, gaps)
-    name = torch.cuda.get_device_name() if on_gpu else "cpu"
-    path = Path(args.out) / f"gate_decay_{name.replace(' ', '_')}_{time.strftime('%Y%m%d-%H%M')}.json"
+    record = new_record(model=args.model, length=args.length, reach_nats=REACH_NATS,
+                        documents={domain: len(docs) for domain, docs in documents.items()})
+    record["domains"] = measure(model, documents, gaps)
+    path = Path(record_path(args.out, "gate_decay", record))
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json({"device": name, "model": args.model, "length": args.length, "reach_nats": REACH_NATS,
-                "documents": {domain: len(docs) for domain, docs in documents.items()}, "domains": results}, path)
-    plot(results, path.with_suffix(".png"))
-    heads = sum(len(h) for h in next(iter(next(iter(results.values())).values()))["median_decay"])
-    for domain, by_gap in results.items():
+    write_record(path, record)
+    plot(record["domains"], path.with_suffix(".png"))
+    heads = model.config.num_hidden_layers * model.config.num_attention_heads
+    for domain, by_gap in record["domains"].items():
         counts = ", ".join(f"{short_tokens(int(gap))} back {n}" for gap, n in heads_within_reach(by_gap).items())
         print(f"{domain}: heads of {heads} with a median decay above -{REACH_NATS:g} nats: {counts}")
     print(f"wrote {path} and its plot")
