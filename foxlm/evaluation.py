@@ -486,12 +486,15 @@ def plot_needle(results, path, title="Needle in a haystack (easy mode)"):
             ax.set_ylabel(f"needle depth ({domain} haystack)")
             ax.set_title(label, fontsize=10)
         ax = row[-1]
+        bands = sorted({band for summary in models.values() for band in summary["accuracy_by_distance"]},
+                       key=lambda band: int(band.split("-")[0]))  # models tested at other lengths share one axis
         for label, summary in models.items():
-            bands = summary["accuracy_by_distance"]
-            ax.plot(range(len(bands)), [band["accuracy"] for band in bands.values()], marker="o", label=label)
-            ax.set_xticks(range(len(bands)), [short_band(band) for band in bands], rotation=45)
+            by_distance = summary["accuracy_by_distance"]
+            ax.plot([bands.index(band) for band in by_distance], [r["accuracy"] for r in by_distance.values()],
+                    marker="o", label=label)
+        ax.set_xticks(range(len(bands)), [short_band(band) for band in bands], rotation=45)
         ax.set_ylim(-0.05, 1.05)
-        ax.set_xlabel("tokens between the needle and the question")
+        ax.set_xlabel("needle to question (tokens)")
         ax.set_ylabel("accuracy, all lengths")
         ax.set_title("by distance", fontsize=10)
         ax.grid(alpha=0.3)
