@@ -113,6 +113,10 @@ RECIPES = {
     # The default with twice its copied spans (128 a 32k block, the most a block holds): more training that rewards
     # retrieval from far back (measured on the clamped default, 2026-11-30).
     "copy-spans-128": ["--copy-spans", "128"],
+    # The default with other seeds (training text order, samples, copied spans, LoRA's start): how far one run's
+    # result moves from the next (the needle moved by up to 12 points between two runs of the same command).
+    "seed-1": ["--seed", "1"],
+    "seed-2": ["--seed", "2"],
     # The GPU default is 4 blocks per pass, compiled: these were the default (before 2026-11-27) and its parts.
     "one-block-per-pass": ["--micro-batch-size", "1", "--no-compile"],
     "micro-batch-4": ["--micro-batch-size", "4", "--no-compile"],
@@ -126,7 +130,7 @@ def cached_documents():
 
     def load(args, tokenizer):
         key = (args.text_files, args.dataset, args.train_domains, args.group_related, args.eval_domains,
-               args.corpus_dir)
+               args.corpus_dir, args.seed)
         if key not in cache:
             cache[key] = original(args, tokenizer)
         return cache[key]
@@ -140,7 +144,8 @@ def cached_samples():
     original, cache = finetune.teacher_samples, {}
 
     def sample(args, source, run_dir):
-        key = (source, args.teacher_samples, args.sample_length, args.sample_batch_size, args.sample_temperature)
+        key = (source, args.teacher_samples, args.sample_length, args.sample_batch_size, args.sample_temperature,
+               args.seed)
         if key not in cache:
             cache[key] = (original(args, source, run_dir), (run_dir / finetune.SAMPLES_FILE).read_bytes())
         documents, saved = cache[key]
@@ -162,7 +167,7 @@ def reused_samples(path):
     return sample
 
 
-SAMPLING_OPTIONS = ("--teacher-samples", "--sample-temperature", "--sample-length", "--sample-batch-size")
+SAMPLING_OPTIONS = ("--teacher-samples", "--sample-temperature", "--sample-length", "--sample-batch-size", "--seed")
 
 
 def sampling_options(options):

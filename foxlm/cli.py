@@ -248,6 +248,8 @@ def add_convert_commands(commands):
                           help="tokens per sequence, capped at the source's context (default: %(default)s)")
     transfer.add_argument("--transfer-batch-size", type=at_least(1), default=8,
                           help="sequences per step (default: %(default)s)")
+    transfer.add_argument("--seed", type=at_least(0), default=0,
+                          help="seeds the q/k updates' initialisation (default: %(default)s)")
     llama.set_defaults(func=run_convert_llama)
 
     official = kinds.add_parser(

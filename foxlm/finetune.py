@@ -240,6 +240,12 @@ def build_parser(prog=None):
                                "next-token loss still trains the long context)")
     training.add_argument("--teacher-context", type=int, default=None,
                           help="positions that take the KL term (default: the original's max_position_embeddings)")
+    training.add_argument("--seed", type=int, default=0,
+                          help="seeds every random choice of the run: the order of the training text, the samples "
+                               "from the original, the copied spans, the attention transfer's q/k updates and LoRA's "
+                               "initialisation; the held-out text does not depend on it. Another seed measures how "
+                               "much a result moves from run to run (GPU kernels are not bit-reproducible, so even "
+                               "the same seed moves a little) (default: %(default)s)")
     training.add_argument("--save-steps", type=int, default=50,
                           help="save a checkpoint (for --resume) every this many steps (default: %(default)s)")
     training.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
@@ -296,6 +302,8 @@ def check_args(parser, args):
                  "sample_batch_size", "context_parallel", "needle_docs"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.seed < 0:
+        parser.error(f"--seed must be at least 0, got {args.seed}")
     if args.copy_spans is None:
         args.copy_spans = args.context // TOKENS_PER_COPIED_SPAN
     for name in ("transfer_steps", "transfer_qk_rank", "teacher_samples", "copy_spans"):
@@ -509,7 +517,8 @@ def load_documents(args, tokenizer):
         train_texts, held_out[OWN_HELD_OUT] = read_texts(train_paths), read_texts(eval_paths)
     else:
         train_domains = args.train_domains.split(",") if args.train_domains else TRAINING_DOMAINS
-        train_texts = training_texts(train_domains, corpus_dir=args.corpus_dir, group_related=args.group_related)
+        train_texts = training_texts(train_domains, corpus_dir=args.corpus_dir, seed=args.seed,
+                                     group_related=args.group_related)
     for domain in evaluated_domains(args):
         if domain != OWN_HELD_OUT:
             held_out[domain] = domain_texts(domain, True, args.corpus_dir)
@@ -538,7 +547,7 @@ def teacher_samples(args, source, run_dir):
     started = time.perf_counter()
     documents = sample_documents(model, num_tokens=args.teacher_samples, eos_token_id=tokenizer.eos_token_id,
                                  max_length=args.sample_length, batch_size=args.sample_batch_size,
-                                 temperature=args.sample_temperature)
+                                 temperature=args.sample_temperature, seed=args.seed)
     seconds = time.perf_counter() - started
     del model
     lengths = [len(document) for document in documents]
@@ -585,7 +594,7 @@ OPTIONS_FILE = "training_options.json"
 # --eval-only, --force) and evaluation's options. --steps may grow: training goes on to the new total, as Trainer's
 # max_steps allows (the cosine decay stretches to it); it may not shrink below what the run was started for.
 TRAINING_OPTIONS = ("model", "text_files", "dataset", "text_column", "train_domains", "group_related",
-                    "copy_spans", "teacher_samples",
+                    "copy_spans", "teacher_samples", "seed",
                     "sample_temperature", "sample_length", "partial_rope", "drop_rope", "keep_rope", "slow_pairs",
                     "interpolate_to", "gate_bias", "token_shift",
                     "output_gate", "transfer_steps", "transfer_qk_rank", "transfer_lr", "transfer_length",
@@ -653,6 +662,8 @@ def recorded_options(run_dir):
         options["copy_spans"] = 0
     if "kl_weight" in options and "kl_weight_past_context" not in options:  # recorded before it: none
         options["kl_weight_past_context"] = 0.0
+    if "context" in options and "seed" not in options:  # recorded before --seed: 0
+        options["seed"] = 0
     return options
 
 
@@ -738,7 +749,7 @@ def transfer_options(args, documents, context):
     except ValueError as error:
         sys.exit(f"error: --transfer-length {length}: {error}; lower it or give more data")
     return dict(transfer_steps=args.transfer_steps, transfer_data=batches, transfer_lr=args.transfer_lr,
-                transfer_qk_rank=args.transfer_qk_rank)
+                transfer_qk_rank=args.transfer_qk_rank, transfer_seed=args.seed)
 
 
 def resolve_slow_pairs(args, source_config):
@@ -802,7 +813,7 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
     if args.full:
         trainable = model
     else:
-        set_seed(0)  # LoRA's A matrices come from the global RNG; TrainingArguments' seed acts only later
+        set_seed(args.seed)  # LoRA's A matrices come from the global RNG; TrainingArguments' seed acts only later
         targets = ATTENTION_PROJECTIONS if args.lora_modules == "attention" else LORA_TARGET_MODULES
         trainable = get_peft_model(model, fox_lora_config(model, r=args.lora_r, lora_alpha=args.lora_r,
                                                           target_modules=targets))
@@ -825,7 +836,7 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
         per_device_train_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=accumulation, learning_rate=lr, bf16=on_gpu,
         **{CHECKPOINTING_ARGUMENT: args.gradient_checkpointing}, logging_steps=max(1, args.steps // 50),
-        save_steps=args.save_steps, save_total_limit=1, report_to=[], use_cpu=not on_gpu, seed=0,
+        save_steps=args.save_steps, save_total_limit=1, report_to=[], use_cpu=not on_gpu, seed=args.seed,
         # Every trainable weight takes part in each step: DDP need not search the graph for unused ones.
         **({"ddp_find_unused_parameters": False} if processes.world > 1 else {}),
     )
@@ -1013,7 +1024,7 @@ def main(argv=None, prog=None):
             # Rank 0 samples; the others read what it saved.
             samples = processes.once(lambda: teacher_samples(args, source, run_dir), share=False)
             train_docs = train_docs + (samples if processes.main else saved_samples(run_dir / SAMPLES_FILE))
-            random.Random(0).shuffle(train_docs)  # both kinds in every block, and in the transfer's
+            random.Random(args.seed).shuffle(train_docs)  # both kinds in every block, and in the transfer's
         # Decided on rank 0 alone: another rank could look after rank 0 has converted.
         processes.once(lambda: (args.force or not converted_dir.exists())
                        and convert(args, source, converted_dir, train_docs, context), share=False)
@@ -1021,7 +1032,7 @@ def main(argv=None, prog=None):
         if args.copy_spans:
             from foxlm.data import with_copied_spans
 
-            train_blocks = with_copied_spans(train_blocks, args.copy_spans)
+            train_blocks = with_copied_spans(train_blocks, args.copy_spans, seed=args.seed)
         fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, context, processes)
     if not processes.end():  # evaluation is rank 0's, on one device
         return

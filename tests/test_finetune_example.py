@@ -340,6 +340,9 @@ def test_bad_arguments_are_named_before_any_training(llama_and_corpus, capsys):
         foxlm(["finetune", *finetune_args(root, "copies", "--copy-spans", "-1")])
     assert "--copy-spans must be 0 or more, got -1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        foxlm(["finetune", *finetune_args(root, "seeded", "--seed", "-1")])
+    assert "--seed must be at least 0, got -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         foxlm(["finetune", *finetune_args(root, "needles", "--needle-docs", "4")])
     assert ("--needle-docs 4: the needle's haystacks are among the --eval-docs 3 held-out documents"
             in capsys.readouterr().err)
@@ -356,7 +359,7 @@ def test_train_domains_choose_the_default_corpora_that_train(monkeypatch, capsys
             finetune.parse_args(arguments)
         assert message in capsys.readouterr().err
     chosen = []
-    monkeypatch.setattr(data, "training_texts", lambda domains, corpus_dir=None, group_related=False:
+    monkeypatch.setattr(data, "training_texts", lambda domains, corpus_dir=None, seed=0, group_related=False:
                         chosen.append((domains, group_related)) or ["x"])
     monkeypatch.setattr(data, "domain_texts", lambda domain, held_out, corpus_dir=None: ["y"])
     for arguments, domains, grouped in (([], ("code", "docs"), True),
@@ -424,6 +427,34 @@ def test_copied_spans_go_into_the_training_blocks_and_the_record(llama_and_corpu
 
     write_json({"options": {"model": "m", "context": 512}}, root / "copies-0" / finetune.OPTIONS_FILE)
     assert finetune.recorded_options(root / "copies-0")["copy_spans"] == 0
+
+
+def test_the_seed_chooses_the_training_text_order_samples_copies_and_transfer_start_and_is_recorded(
+        llama_and_corpus, monkeypatch):
+    from foxlm import conversion, finetune
+
+    root, trained, transfer_seeds = llama_and_corpus, {}, []
+    monkeypatch.setattr(finetune, "fine_tune", lambda args, source, converted_dir, tokenizer, blocks, *rest:
+                        trained.setdefault(args.output_dir, blocks))
+    convert = conversion.convert_llama_to_fox
+    monkeypatch.setattr(conversion, "convert_llama_to_fox", lambda *args, **kwargs: (
+        transfer_seeds.append(kwargs["transfer_seed"]), convert(*args, **kwargs))[1])
+    runs = {"seed-0": 0, "seed-0-again": 0, "seed-1": 1}
+    for name, seed in runs.items():
+        foxlm(["finetune", *finetune_args(root, name, "--context", "512", "--tokens-per-step", "512", "--drop-rope",
+                                          "--transfer-steps", "1", "--copy-spans", "2", "--seed", str(seed),
+                                          "--skip-eval")])
+        assert json.loads((root / name / "training_options.json").read_text())["options"]["seed"] == seed
+    assert transfer_seeds == list(runs.values())
+    blocks = {name: trained[str(root / name)] for name in runs}
+    assert blocks["seed-0"] == blocks["seed-0-again"] and blocks["seed-0"] != blocks["seed-1"]
+    samples = {name: finetune.saved_samples(root / name / finetune.SAMPLES_FILE) for name in runs}
+    assert samples["seed-0"] == samples["seed-0-again"] and samples["seed-0"] != samples["seed-1"]
+    # A run recorded before --seed existed was seeded with 0.
+    from foxlm.evaluation import write_json
+
+    write_json({"options": {"model": "m", "context": 512}}, root / "seed-1" / finetune.OPTIONS_FILE)
+    assert finetune.recorded_options(root / "seed-1")["seed"] == 0
 
 
 def test_the_defaults_copy_one_span_per_512_tokens_keep_related_files_together_and_weigh_the_kl_30():

@@ -245,10 +245,17 @@ def test_foxlm_convert_llama_runs_the_transfer_on_text_files_with_the_sources_to
     assert "Attention transfer: 3 steps" in card and "rank-2 q/k updates" in card
     fox = FoxForCausalLM.from_pretrained(root / "fox")
     assert fox.model.layers[1].self_attn.fgate_proj.weight.abs().sum() > 0  # zero when converted without transfer
+    # --seed draws the q/k updates' start anew: the same data and steps end elsewhere.
+    foxlm(["convert", "llama", str(root / "llama"), str(root / "fox-seed-1"), "--transfer-steps", "3",
+           "--transfer-data", str(root / "corpus" / "*.txt"), "--transfer-length", "1000", "--transfer-batch-size",
+           "2", "--transfer-qk-rank", "2", "--seed", "1"])
+    other = FoxForCausalLM.from_pretrained(root / "fox-seed-1")
+    query = [model.model.layers[1].self_attn.q_proj.weight for model in (fox, other)]
+    assert not torch.equal(*query)
 
 
 @pytest.mark.parametrize("flag, value", [("--transfer-steps", "-1"), ("--transfer-lr", "nan"),
-                                         ("--transfer-length", "0"), ("--transfer-batch-size", "0")])
+                                         ("--transfer-length", "0"), ("--transfer-batch-size", "0"), ("--seed", "-1")])
 def test_foxlm_convert_llama_names_a_bad_transfer_option(tmp_path, capsys, flag, value):
     from foxlm.cli import main as foxlm
 

@@ -230,7 +230,8 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=Fa
                          interpolate_to=None, dtype="auto",
                          max_shard_size="5GB", force=False, gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS,
                          decay_times=DEFAULT_DECAY_TIMES, token_shift=False, output_gate=False, transfer_steps=0,
-                         transfer_data=None, transfer_lr=DEFAULT_TRANSFER_LR, transfer_qk_rank=0, transfer_device=None):
+                         transfer_data=None, transfer_lr=DEFAULT_TRANSFER_LR, transfer_qk_rank=0, transfer_seed=0,
+                         transfer_device=None):
     """Convert a LLaMA-family checkpoint (`source`: folder, Hub id or .gguf file) into a FoX model folder.
 
     RoPE is dropped, kept with `keep_rope`, or kept with `partial_rope` on the channel pairs whose wavelength is
@@ -243,11 +244,11 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=Fa
     With `output_gate` it gets FoX Pro's output gate, starting as no gate (`fox_from_llama`), also trained by the
     transfer: a head can then scale its output token by token, as the source did by parking attention on a sink.
     With `transfer_steps` > 0 the converted model's attention is first trained to reproduce the source's
-    (`transfer_attention`: the forget gates, and rank-`transfer_qk_rank` q/k updates merged into the weights) on
-    `transfer_data`, an iterable of (batch, seq_len) input-id tensors (`token_batches` makes them from texts), on
-    `transfer_device` (default: CUDA when available, else the CPU). Nothing is written when the source is unsupported
-    or `output_dir` is not empty and `force` is False; the output appears complete or not at all. Returns the output
-    folder as a Path.
+    (`transfer_attention`: the forget gates, and rank-`transfer_qk_rank` q/k updates merged into the weights, their
+    initialisation seeded by `transfer_seed`) on `transfer_data`, an iterable of (batch, seq_len) input-id tensors
+    (`token_batches` makes them from texts), on `transfer_device` (default: CUDA when available, else the CPU).
+    Nothing is written when the source is unsupported or `output_dir` is not empty and `force` is False; the output
+    appears complete or not at all. Returns the output folder as a Path.
     """
     check_target(output_dir, force=force, sources=[source])
     max_shard_size = check_shard_size(max_shard_size)
@@ -282,7 +283,7 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=Fa
     if transfer_steps:
         steps.set_postfix_str("attention transfer")
         record = transfer_attention(model, fox, transfer_data, steps=transfer_steps, lr=transfer_lr,
-                                    qk_rank=transfer_qk_rank)
+                                    qk_rank=transfer_qk_rank, seed=transfer_seed)
         notes.append(transfer_note(record, transfer_lr))
         steps.update()
     del model
