@@ -339,7 +339,8 @@ def run_needle(args):
     import torch
 
     from foxlm.data import DOMAIN_ALIASES, DOMAINS
-    from foxlm.evaluation import NEEDLE_DEPTHS, accuracy_by_distance_text, held_out_haystacks, load_causal_lm
+    from foxlm.evaluation import NEEDLE_BATCH_TOKENS, NEEDLE_DEPTHS, accuracy_by_distance_text, held_out_haystacks
+    from foxlm.evaluation import load_causal_lm
     from foxlm.evaluation import needle_over_haystacks, needle_summary, plot_needle, write_json
 
     json_path, png_path = eval_output_paths(args, "needle.json", "needle.png")
@@ -362,7 +363,8 @@ def run_needle(args):
             raise FoxlmError(f"--data {args.data} gives {len(stream)} tokens, fewer than {wanted}; lower {lower} or "
                              "give more documents.")
         haystacks = [stream[i * length : (i + 1) * length] for i in range(args.haystacks)]
-    scores, answers = needle_over_haystacks(model, tokenizer, haystacks, args.context_lengths, args.depths)
+    scores, answers = needle_over_haystacks(model, tokenizer, haystacks, args.context_lengths, args.depths,
+                                            batch_tokens=args.batch_tokens or NEEDLE_BATCH_TOKENS)
     summary = needle_summary(scores, args.context_lengths, args.depths, answers)
     write_json({"model": str(args.model), "data": args.data, **summary}, json_path)
     plot_needle({args.data: {str(args.model): summary}}, png_path, title=f"Needle in a haystack: {args.model}")
@@ -519,6 +521,9 @@ def add_eval_commands(commands):
     needle.add_argument("--haystacks", type=at_least(1), default=1, metavar="N",
                         help="test in N haystacks, each from another part of --data; a cell's score is the fraction "
                              "of them passed (default: %(default)s)")
+    needle.add_argument("--batch-tokens", type=at_least(1), default=None, metavar="N",
+                        help="prompt tokens a batch of trials holds (one prompt at least): lower it if a long context "
+                             "runs out of memory (default: 131072, foxlm.evaluation.NEEDLE_BATCH_TOKENS)")
     add_data_args(needle, num_docs=64, default="prose", several=False)
     needle.set_defaults(func=run_needle)
 

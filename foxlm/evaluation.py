@@ -349,47 +349,64 @@ NEEDLE_QUESTION = "What is the best thing to do in San Francisco? Answer: The be
 NEEDLE_ANSWER = " eat a sandwich and sit in Dolores Park on a sunny day."
 # Eleven depths: a needle every tenth of the haystack, so a length's score moves in steps of 9%, not 20%.
 NEEDLE_DEPTHS = tuple(i / 10 for i in range(11))
+# Prompt tokens a batch of needle trials holds: 4 prompts of 32k, 64 of 2k. A 135M model's KV cache for them is a
+# few GB; each trial decodes only ~20 tokens, which a batch shares.
+NEEDLE_BATCH_TOKENS = 2**17
 
 
 @torch.no_grad()
-def needle_in_a_haystack(model, tokenizer, haystack_ids, context_lengths, depths, device=None, with_answers=False):
+def needle_in_a_haystack(model, tokenizer, haystack_ids, context_lengths, depths, device=None, with_answers=False,
+                         batch_tokens=NEEDLE_BATCH_TOKENS):
     """Easy-mode needle-in-a-haystack (Qin et al., 2024; the FoX paper's setting for models without instruction
     tuning): the needle is the question with its answer; the prompt ends with the question; a trial passes when
     greedy decoding reproduces the answer. Returns a (len(depths), len(context_lengths)) array of 0/1 scores, and
     with `with_answers` also the generated text of each trial (a nested list of the same shape): how a model fails
     tells more than that it does.
 
-    `haystack_ids`: a long token id list the filler is cut from.
+    `haystack_ids`: a long token id list the filler is cut from. Trials of one context length run as one batch of
+    up to `batch_tokens` prompt tokens (every prompt of a length has the same length: no padding).
     """
+    scores, answers = needle_over_haystacks(model, tokenizer, [haystack_ids], context_lengths, depths, device,
+                                            batch_tokens)
+    return (scores[0], answers[0]) if with_answers else scores[0]
+
+
+def needle_over_haystacks(model, tokenizer, haystacks, context_lengths, depths, device=None,
+                          batch_tokens=NEEDLE_BATCH_TOKENS):
+    """`needle_in_a_haystack` in each of `haystacks` (token id lists), as `needle_summary` takes them: scores of
+    shape (haystacks, depths, context lengths) and the answers nested alike. One haystack is a thin test (a depth
+    moves a length's score by a ninth); several make it firmer. The trials of a context length, over depths and
+    haystacks, run in batches of up to `batch_tokens` prompt tokens (at least one prompt a batch): a trial's prefill
+    and few decoding steps cost little more in a batch than alone."""
     device = device or next(model.parameters()).device
     needle = tokenizer(" " + NEEDLE_QUESTION + NEEDLE_ANSWER + " ", add_special_tokens=False)["input_ids"]
     question = tokenizer("\n" + NEEDLE_QUESTION, add_special_tokens=False)["input_ids"]
     answer = tokenizer(NEEDLE_ANSWER, add_special_tokens=False)["input_ids"]
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    scores = np.zeros((len(depths), len(context_lengths)))
-    answers = [[None] * len(context_lengths) for _ in depths]
-    trials = [(d, c) for d in range(len(depths)) for c in range(len(context_lengths))]
-    for d, c in tqdm(trials, desc="needle"):
-        filler_length = context_lengths[c] - len(bos) - len(needle) - len(question)
-        if filler_length < 0 or filler_length > len(haystack_ids):
-            raise ValueError(f"context length {context_lengths[c]} does not fit the needle and the haystack")
-        filler = haystack_ids[:filler_length]
-        at = int(round(depths[d] * filler_length))
-        prompt = torch.tensor([bos + filler[:at] + needle + filler[at:] + question], device=device)
-        generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=len(answer) + 2,
-                                   do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        answers[d][c] = tokenizer.decode(generated[0, prompt.shape[1] :], skip_special_tokens=True)
-        scores[d, c] = float(NEEDLE_ANSWER.strip().rstrip(".") in answers[d][c])
-    return (scores, answers) if with_answers else scores
-
-
-def needle_over_haystacks(model, tokenizer, haystacks, context_lengths, depths, device=None):
-    """`needle_in_a_haystack` in each of `haystacks` (token id lists), as `needle_summary` takes them: scores of
-    shape (haystacks, depths, context lengths) and the answers nested alike. One haystack is a thin test (a depth
-    moves a length's score by a ninth); several make it firmer."""
-    results = [needle_in_a_haystack(model, tokenizer, haystack, context_lengths, depths, device, with_answers=True)
-               for haystack in haystacks]
-    return np.stack([scores for scores, _ in results]), [answers for _, answers in results]
+    scores = np.zeros((len(haystacks), len(depths), len(context_lengths)))
+    answers = [[[None] * len(context_lengths) for _ in depths] for _ in haystacks]
+    trials = [(h, d) for h in range(len(haystacks)) for d in range(len(depths))]
+    with tqdm(total=scores.size, desc="needle") as progress:
+        for c, length in enumerate(context_lengths):
+            filler_length = length - len(bos) - len(needle) - len(question)
+            if filler_length < 0 or filler_length > min(len(haystack) for haystack in haystacks):
+                raise ValueError(f"context length {length} does not fit the needle and the haystack")
+            per_batch = max(1, batch_tokens // length)
+            for first in range(0, len(trials), per_batch):
+                batch = trials[first : first + per_batch]
+                prompts = []
+                for h, d in batch:
+                    filler, at = haystacks[h][:filler_length], int(round(depths[d] * filler_length))
+                    prompts.append(bos + filler[:at] + needle + filler[at:] + question)
+                prompt = torch.tensor(prompts, device=device)
+                generated = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                           max_new_tokens=len(answer) + 2, do_sample=False,
+                                           pad_token_id=tokenizer.eos_token_id)
+                for (h, d), tokens in zip(batch, generated[:, prompt.shape[1] :]):
+                    answers[h][d][c] = tokenizer.decode(tokens, skip_special_tokens=True)
+                    scores[h, d, c] = float(NEEDLE_ANSWER.strip().rstrip(".") in answers[h][d][c])
+                progress.update(len(batch))
+    return scores, answers
 
 
 def held_out_haystacks(tokenizer, length, count, domain="prose", corpus_dir=None):

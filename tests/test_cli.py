@@ -157,6 +157,17 @@ def test_eval_needle_in_several_haystacks_cut_one_after_another_from_the_data(sa
     assert result["haystacks"] == 2 and np.array(result["scores_by_haystack"]).shape == (2, 2, 1)
     np.testing.assert_allclose(result["scores"], np.mean(result["scores_by_haystack"], axis=0))
     assert "in 2 haystacks" in capsys.readouterr().out
+    # One trial a batch: the same answers as the default's one batch of all four.
+    main(["eval", "needle", str(saved_models / "fox"), "--data", data, "--context-lengths", "300", "--depths", "0,1",
+          "--haystacks", "2", "--batch-tokens", "300", "--output-dir", str(out), "--force"])
+    one_by_one = json.loads((out / "needle.json").read_text())
+    assert one_by_one["answers_by_haystack"] == result["answers_by_haystack"]
+    from foxlm.evaluation import NEEDLE_BATCH_TOKENS
+
+    with pytest.raises(SystemExit):
+        main(["eval", "needle", "--help"])
+    assert f"(default: {NEEDLE_BATCH_TOKENS}, foxlm.evaluation.NEEDLE_BATCH_TOKENS)" in " ".join(
+        capsys.readouterr().out.split())
     with pytest.raises(SystemExit, match="fewer than --haystacks 1000 x the longest of --context-lengths"):
         main(["eval", "needle", str(saved_models / "fox"), "--data", data, "--context-lengths", "300",
               "--haystacks", "1000", "--output-dir", str(saved_models / "too-many"), "--force"])

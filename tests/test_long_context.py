@@ -24,6 +24,8 @@ from foxlm.data import (
     tokenize_documents,
 )
 from foxlm.evaluation import (
+    NEEDLE_ANSWER,
+    NEEDLE_QUESTION,
     accuracy_by_distance,
     accuracy_by_distance_text,
     band_edges,
@@ -274,6 +276,52 @@ def test_needle_scores_have_one_cell_per_depth_and_context(make_config):
     assert summary["answers"] == answers and json.loads(json.dumps(summary)) == summary
     with pytest.raises(ValueError, match="does not fit"):
         needle_in_a_haystack(model, tokenizer, haystack, context_lengths=[50], depths=[0.5])
+
+
+class NeedleReader(torch.nn.Module):
+    """A stand-in model whose greedy answer is right when the needle lies in the last `reach` tokens of the prompt:
+    which trials pass is known, so batching must keep every answer with its trial."""
+
+    def __init__(self, tokenizer, reach):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # the device the prompts go to
+        self.tokenizer, self.reach, self.batches = tokenizer, reach, []
+        self.needle = tokenizer(" " + NEEDLE_QUESTION + NEEDLE_ANSWER, add_special_tokens=False)["input_ids"]
+
+    def generate(self, prompt, attention_mask, max_new_tokens, **kwargs):
+        assert attention_mask.shape == prompt.shape and bool(attention_mask.all())
+        self.batches.append(tuple(prompt.shape))
+        rows = []
+        for row in prompt.tolist():
+            at = next(i for i in range(len(row)) if row[i : i + len(self.needle)] == self.needle)
+            text = NEEDLE_ANSWER if len(row) - at <= self.reach else " go to the beach."
+            new = self.tokenizer(text, add_special_tokens=False)["input_ids"][:max_new_tokens]
+            rows.append(row + new + [self.tokenizer.eos_token_id] * (max_new_tokens - len(new)))
+        return torch.tensor(rows)
+
+
+def test_needle_trials_run_in_batches_of_one_length_and_keep_each_answer_with_its_trial():
+    tokenizer = byte_tokenizer()
+    haystacks = [tokenizer(text * 40, add_special_tokens=False)["input_ids"]
+                 for text in ("def f(x):\n    return x\n", "Emma was handsome, clever, and rich. ")]
+    lengths, depths = [400, 800], [0.0, 0.25, 0.5, 0.75, 1.0]
+    results = {}
+    for batch_tokens in (1, 1600, 10**6):
+        model = NeedleReader(tokenizer, reach=600)
+        results[batch_tokens] = needle_over_haystacks(model, tokenizer, haystacks, lengths, depths,
+                                                      batch_tokens=batch_tokens)
+        # Every batch holds prompts of one length, as many as fit (one at least); all trials run once.
+        per_batch = {400: max(1, batch_tokens // 400), 800: max(1, batch_tokens // 800)}
+        assert all(rows <= per_batch[length] for rows, length in model.batches)
+        assert sum(rows for rows, _ in model.batches) == len(haystacks) * len(depths) * len(lengths)
+        assert len(model.batches) == sum(-(-len(haystacks) * len(depths) // n) for n in per_batch.values())
+    scores, answers = results[1]
+    # At 400 tokens every needle lies within reach; at 800 those at depth >= 0.5 do (at most ~520 tokens back).
+    expected = np.array([[1, 0], [1, 0], [1, 1], [1, 1], [1, 1]], dtype=float)
+    assert np.array_equal(scores, np.stack([expected, expected]))
+    assert answers[0][0][1] == " go to the beach." and answers[1][4][0].startswith(NEEDLE_ANSWER[:20])
+    for other, other_answers in (results[1600], results[10**6]):
+        assert np.array_equal(other, scores) and other_answers == answers
 
 
 def test_the_needle_in_several_haystacks_keeps_each_and_scores_the_fraction_passed(make_config):
