@@ -349,8 +349,8 @@ NEEDLE_QUESTION = "What is the best thing to do in San Francisco? Answer: The be
 NEEDLE_ANSWER = " eat a sandwich and sit in Dolores Park on a sunny day."
 # Eleven depths: a needle every tenth of the haystack, so a length's score moves in steps of 9%, not 20%.
 NEEDLE_DEPTHS = tuple(i / 10 for i in range(11))
-# Prompt tokens a batch of needle trials holds: 4 prompts of 32k, 64 of 2k. A 135M model's KV cache for them is a
-# few GB; each trial decodes only ~20 tokens, which a batch shares.
+# Prompt tokens a batch of needle trials holds (4 prompts of 32k, 64 of 2k): a token budget bounds the batch's KV
+# cache and activations whatever the length, and the ~20 decoding steps of a trial are shared by the batch.
 NEEDLE_BATCH_TOKENS = 2**17
 
 
@@ -371,6 +371,7 @@ def needle_in_a_haystack(model, tokenizer, haystack_ids, context_lengths, depths
     return (scores[0], answers[0]) if with_answers else scores[0]
 
 
+@torch.no_grad()
 def needle_over_haystacks(model, tokenizer, haystacks, context_lengths, depths, device=None,
                           batch_tokens=NEEDLE_BATCH_TOKENS):
     """`needle_in_a_haystack` in each of `haystacks` (token id lists), as `needle_summary` takes them: scores of
@@ -425,20 +426,26 @@ def needle_haystack(tokenizer, length, domain="prose", corpus_dir=None):
     return held_out_haystacks(tokenizer, length, 1, domain, corpus_dir)[0]
 
 
-def needle_summary(scores, context_lengths, depths, answers=None):
+def needle_summary(scores, context_lengths, depths, answers=None, distance_within=None):
     """The JSON-ready result of `needle_in_a_haystack`: the score grid, the overall accuracy, the accuracy at each
     context length (over depths) and, when given, the generated answers. Scores of several haystacks
     (`needle_over_haystacks`) give the fraction of haystacks passed in each cell of the grid, and each haystack's
     grid and answers as "scores_by_haystack" and "answers_by_haystack"; of one, the summary of that one. Also the
-    accuracy pooled over all lengths by the needle's distance from the question (`accuracy_by_distance`)."""
+    accuracy pooled over the lengths by the needle's distance from the question (`accuracy_by_distance`): over the
+    lengths up to `distance_within` only when given (a model's own context, past which it fails whatever the
+    distance), recorded as "distance_within"."""
     scores = np.asarray(scores)
     if scores.ndim == 3 and len(scores) == 1:
         scores, answers = scores[0], None if answers is None else answers[0]
     grid = scores.mean(0) if scores.ndim == 3 else scores
     summary = {"context_lengths": list(context_lengths), "depths": list(depths), "scores": grid.tolist(),
                "accuracy": float(scores.mean()),
-               "accuracy_by_context": {str(c): float(grid[:, i].mean()) for i, c in enumerate(context_lengths)},
-               "accuracy_by_distance": accuracy_by_distance(scores, context_lengths, depths)}
+               "accuracy_by_context": {str(c): float(grid[:, i].mean()) for i, c in enumerate(context_lengths)}}
+    pooled = [i for i, c in enumerate(context_lengths) if distance_within is None or c <= distance_within]
+    summary["accuracy_by_distance"] = accuracy_by_distance(scores[..., pooled], [context_lengths[i] for i in pooled],
+                                                           depths) if pooled else {}
+    if distance_within is not None:
+        summary["distance_within"] = distance_within
     if scores.ndim == 3:
         summary.update(haystacks=len(scores), scores_by_haystack=scores.tolist())
     if answers is not None:
@@ -506,7 +513,9 @@ def plot_needle(results, path, title="Needle in a haystack (easy mode)"):
         bands = sorted({band for summary in models.values() for band in summary["accuracy_by_distance"]},
                        key=lambda band: int(band.split("-")[0]))  # models tested at other lengths share one axis
         for label, summary in models.items():
-            by_distance = summary["accuracy_by_distance"]
+            by_distance, within = summary["accuracy_by_distance"], summary.get("distance_within")
+            if within is not None and within < max(summary["context_lengths"]):
+                label = f"{label}, haystacks up to {short_tokens(within)}"
             ax.plot([bands.index(band) for band in by_distance], [r["accuracy"] for r in by_distance.values()],
                     marker="o", label=label)
         ax.set_xticks(range(len(bands)), [short_band(band) for band in bands], rotation=45)

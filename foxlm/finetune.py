@@ -930,7 +930,7 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
                   f"top-1 agreement {agreement:.1%}")
     if args.needle:
         tests = needle(args, {} if args.skip_original else {ORIGINAL: source}, fine_tuned_dir, held_out, run_dir,
-                       dtype, device) or {}
+                       dtype, device, context) or {}
         summary["needle"] = {domain: {label: result["accuracy_by_context"] for label, result in models.items()}
                              for domain, models in tests.items()} if tests else None
         summary["needle_by_distance"] = {
@@ -952,9 +952,11 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
     print(f"plot: {png}")
 
 
-def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device):
+def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device, original_context=None):
     """Needle in a haystack of the original and the fine-tuned model, one test per haystack of --needle-haystacks:
-    {haystack: {label: `needle_summary`}} (None when the held-out text is too short), and DIR/needle.json and .png."""
+    {haystack: {label: `needle_summary`}} (None when the held-out text is too short), and DIR/needle.json and .png.
+    The originals' accuracy by distance pools their haystacks within `original_context` only: past it they fail
+    whatever the distance."""
     from foxlm.data import evenly_spaced
     from foxlm.evaluation import (NEEDLE_DEPTHS, accuracy_by_context_text, accuracy_by_distance_text, load_causal_lm,
                                   needle_over_haystacks, needle_summary, plot_needle, write_json)
@@ -976,7 +978,8 @@ def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device):
             except ValueError as error:
                 print(f"needle test skipped: {error}")
                 return None
-            results[domain][label] = needle_summary(scores, lengths, depths, answers)
+            within = original_context if label in originals else None
+            results[domain][label] = needle_summary(scores, lengths, depths, answers, distance_within=within)
         del model
     write_json({"haystacks": {domain: {"models": models} for domain, models in results.items()}},
                run_dir / "needle.json")

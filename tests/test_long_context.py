@@ -228,7 +228,8 @@ def test_plots_are_written_as_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     one = needle_summary(np.eye(3), [1024, 2048, 4096], [0.0, 0.5, 1.0])
     two = needle_summary(np.ones((2, 2)), [1024, 2048], [0.0, 1.0])
-    path = plot_needle({"prose": {"a": one, "b": two}, "code": {"a": one}}, tmp_path / "needle.png")
+    within = needle_summary(np.eye(3), [1024, 2048, 4096], [0.0, 0.5, 1.0], distance_within=512)  # no band: no line
+    path = plot_needle({"prose": {"a": one, "b": two, "c": within}, "code": {"a": one}}, tmp_path / "needle.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -245,6 +246,12 @@ def test_needle_accuracy_pooled_by_distance_from_the_question():
     assert needle_summary(first, [1024, 4096], [0.0, 0.5, 1.0])["accuracy_by_distance"] == accuracy_by_distance(
         first, [1024, 4096], [0.0, 0.5, 1.0])
     assert accuracy_by_distance_text(by_distance) == "0-512 67%, 512-1k 50%, 1k-2k 100%, 2k-4k 0%"
+    # Within a model's own context only (here 1k): the 4k haystacks' trials are left out of the bands, not the grid.
+    within = needle_summary(np.stack([first, second]), [1024, 4096], [0.0, 0.5, 1.0], distance_within=1024)
+    assert within["accuracy_by_distance"] == {"0-512": {"accuracy": 0.75, "trials": 4},
+                                              "512-1024": {"accuracy": 0.5, "trials": 2}}
+    assert within["distance_within"] == 1024 and within["accuracy"] == pytest.approx(7 / 12)
+    assert needle_summary(first, [1024, 4096], [0.0, 0.5, 1.0], distance_within=512)["accuracy_by_distance"] == {}
 
 
 def test_report_leaves_sparse_positions_out_of_bands_and_plot_but_keeps_them_raw(tmp_path):
