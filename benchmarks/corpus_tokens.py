@@ -10,6 +10,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from foxlm.benchmarks.run_record import write_record
 from foxlm.data import CORPORA, DOMAINS, TRAINING_DOMAINS, corpus_split, smollm2_gguf_path
 
 
@@ -38,7 +39,7 @@ def main():
         domains[domain]["share_of_training_mix"] = domains[domain]["train"] / mix if domain in TRAINING_DOMAINS else 0
         domains[domain]["held_out_documents"] = {n: domains[domain]["held_out"] // n for n in (8192, 16384, 32768)}
     result = {"tokenizer": gguf.name, "corpora": counts, "domains": domains, "training_mix_tokens": mix}
-    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    write_record(args.output, result)
     print(json.dumps(domains, indent=2), f"\nwrote {args.output}")
 
 

@@ -45,6 +45,7 @@ def main(argv=None):
     from transformers import TrainerCallback
 
     from foxlm import distillation, finetune
+    from foxlm.benchmarks.run_record import write_record
     from foxlm.benchmarks.trainer_step_profile import busy_seconds
 
     on_gpu = torch.cuda.is_available()
@@ -119,7 +120,7 @@ def main(argv=None):
         if args.keep_trace:
             with gzip.open(path.with_suffix(".trace.json.gz"), "wt") as out:
                 out.write(text)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    write_record(path, result)
     print(f"step {step_s:.3f} s; per step: " + ", ".join(
         f"{label} {v.get('host_ms', 0):.0f} ms host / {v.get('kernel_ms', 0):.0f} ms of kernels" for label, v in
         per_step.items()))

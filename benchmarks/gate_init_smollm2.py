@@ -11,7 +11,6 @@ on 2 cores.
 """
 
 import argparse
-import json
 import math
 import sys
 import sysconfig
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from foxlm.benchmarks.run_record import write_record
 from foxlm.conversion.llama import fox_from_llama
 from foxlm.data import smollm2_gguf_path
 
@@ -112,7 +112,7 @@ def write_report(args, gguf_file, documents, results, per_document, start, vocab
         "uniform_loss": round(math.log(vocab_size), 3),
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+    write_record(args.output, report)
     print(f"wrote {args.output}")
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from transfer_smollm2 import lm_loss, load_smollm2
 
+from foxlm.benchmarks.run_record import write_record
 from foxlm.conversion.llama import fox_from_llama
 from foxlm.conversion.transfer import token_batches
 from foxlm.data import domain_texts, evenly_spaced, read_texts, stdlib_split
@@ -92,7 +93,7 @@ def main():
         print(f"[{time.time() - start:5.0f} s] {name}: {json.dumps({k: v for k, v in row.items() if k != 'needle'})}"
               + (f" needle {row['needle']['accuracy_by_context']}" if lengths else ""), flush=True)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+    write_record(args.output, report)
     print(f"wrote {args.output}")
 
 

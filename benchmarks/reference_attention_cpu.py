@@ -9,7 +9,6 @@ of the foxlm it imported.
 """
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -38,6 +37,7 @@ def main():
     import torch
 
     import foxlm
+    from foxlm.benchmarks.run_record import write_record
     from foxlm.kernels import forgetting_attention
 
     torch.manual_seed(0)
@@ -58,7 +58,7 @@ def main():
               "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "rows": rows}
     path = Path(args.out) / f"reference_attention_cpu_{args.label}_{time.strftime('%Y%m%d-%H%M')}.json"
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    write_record(path, record)
     print(f"wrote {path}")
 
 

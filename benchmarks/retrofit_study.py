@@ -21,9 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from foxlm import finetune
+from foxlm.benchmarks.run_record import new_record, record_path, write_record
 from foxlm.evaluation import accuracy_by_context_text
 
 RECIPES = {
@@ -329,16 +328,14 @@ def main():
     if args.samples_from and not Path(args.samples_from).is_file():
         parser.error(f"--samples-from: no file {args.samples_from}")
     common = [*args.finetune_args, *(["--model", args.model] if args.model else [])]
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    started = new_record(minutes=args.minutes, gpus=gpus)
     # The recipes in the name: studies started in the same minute keep their own files.
-    path = Path(args.results) / (f"retrofit_study_{device.replace(' ', '_')}_{time.strftime('%Y%m%d-%H%M')}_"
-                                 f"{'__'.join(recipes)}.json")
+    path = Path(record_path(args.results, "retrofit_study", started).removesuffix(".json")
+                + f"_{'__'.join(recipes)}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
 
-    def save(runs):  # after every recipe
-        record = {"device": device, "torch": torch.__version__, "minutes": args.minutes, "gpus": gpus, "runs": runs,
-                  "table": table(runs)}
-        path.write_text(json.dumps(record, indent=2) + "\n")
+    def save(runs):  # after every recipe, whole or not at all (a study stopped mid-write keeps the last record)
+        write_record(path, {**started, "runs": runs, "table": table(runs)})
 
     runs = run_recipes_on_gpus(recipes, args, gpus, save) if gpus else run_recipes(recipes, args, common, save)
     print(f"\n{table(runs)}\n\nwrote {path}")

@@ -20,7 +20,6 @@ keeps the original's retrieval, and whether decay alone forbids it. CPU-sized by
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from foxlm.benchmarks.run_record import write_record
 from foxlm.conversion.llama import fox_from_llama
 from foxlm.conversion.transfer import DEFAULT_LR, attention_errors, token_batches, transfer_attention
 from foxlm.data import domain_texts, evenly_spaced, read_texts, smollm2_gguf_path, stdlib_split
@@ -161,7 +161,7 @@ def main():
             "error_before": [round(e, 4) for e in prose_before[2]],
             "error_after": [round(e, 4) for e in prose_after[1]]}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+    write_record(args.output, report)
     for key in ("held_out_loss", "transfer_seconds", "total_seconds"):
         print(f"{key}: {report[key]}")
     mean = lambda errors: sum(errors) / len(errors)  # noqa: E731

@@ -31,6 +31,7 @@ def test_recipes_run_at_the_same_time_share_the_samples_and_land_in_one_record(t
     [path] = (root / "results").glob("retrofit_study_*_default__no-kl.json")
     record = json.loads(path.read_text())
     assert record["gpus"] == gpus.split(",") and set(record["runs"]) == {"default", "no-kl"}
+    assert record["device"] == "cpu" and record["transformers"] and record["foxlm_source_sha256"]  # the run record
     # A recipe that waits for the samples takes whichever slot is free then: tiny runs can end first.
     assert all(run["gpu"] in gpus.split(",") for run in record["runs"].values())
     assert "no-kl: GPU 0" in done.stdout or "no-kl: GPU 1" in done.stdout

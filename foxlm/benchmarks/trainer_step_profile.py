@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .run_record import RESULTS_DIR
+from .run_record import RESULTS_DIR, write_record
 
 # foxlm.pretrain's sizes (checked below), written here for --help, which answers without importing torch.
 SIZES = ("tiny", "125m", "760m")
@@ -109,7 +109,7 @@ def main():
     name = f"trainer_step_profile_{args.size}_b{args.batch_size}_{device.replace(' ', '_')}_{stamp}.json"
     path = Path(args.out) / name
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    write_record(path, result)
     print(f"{args.size} {args.variant}, {args.batch_size} x {args.context} tokens: step {step_s * 1e3:.0f} ms, "
           f"GPU busy {result['busy_fraction']:.0%}, {result['kernels_per_step']:.0f} kernels per step; wrote {path}")
 
