@@ -23,7 +23,7 @@ from pathlib import Path
 
 from foxlm import finetune
 from foxlm.benchmarks.run_record import new_record, record_path, write_record
-from foxlm.evaluation import accuracy_by_context_text
+from foxlm.evaluation import short_tokens
 
 RECIPES = {
     "default": [],
@@ -187,7 +187,8 @@ def band_change(bands, label, reference, band):
 def table(runs):
     """Markdown: one row per recipe, loss change vs the original below its context per domain, top-1 agreement,
     prose's worst band below the original's context against the original's, prose's worst band beyond it against
-    its last band inside and against the original run over a sliding window of its context, needle accuracy."""
+    its last band inside and against the original run over a sliding window of its context, needle accuracy; then,
+    for recipes run with several seeds (`seed_groups`), a row of each number's range over the seeds."""
     domains = sorted({d for run in runs.values() for d in run["summary"].get("vs_original", {})})
     header = (["recipe", "steps (seconds each), peak memory"] + [f"{d}: loss vs original" for d in domains]
               + [f"{d}: top-1 agreement" for d in domains]
@@ -197,34 +198,71 @@ def table(runs):
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, run in runs.items():
         summary = run["summary"]
-        vs = summary.get("vs_original", {})
         training = summary.get("training", {})
         steps, seconds = training.get("steps"), training.get("seconds")
         row = [name, f"{steps} ({seconds / steps:.2f} s)" if steps and seconds else str(steps)]
         row[-1] += f", {training['peak_memory_gib']:g} GiB" if training.get("peak_memory_gib") else ""
-        row += [f"{vs[d]['loss_change']:+.1%}" if d in vs else "-" for d in domains]
-        row += [f"{vs[d]['top1_agreement']:.1%}" if d in vs else "-" for d in domains]
-        loss = summary["domains"].get("prose", {}).get("loss", {})
-        prose = loss.get(finetune.FINE_TUNED, {})
-        within = summary.get("within_original_context")
-        inside = [band for band, v in prose.items() if v is not None and int(band.split("-")[1]) <= within]
-        beyond = [prose[band] for band, v in prose.items() if v is not None and int(band.split("-")[0]) >= within]
-        changes = [band_change(loss, finetune.FINE_TUNED, finetune.ORIGINAL, band) for band in inside]
-        worst_inside = max((change for change in changes if change is not None), default=None)
-        row.append("-" if worst_inside is None else f"{worst_inside:+.1%}")
-        row.append(f"{max(beyond) - prose[inside[-1]]:+.3f} nats" if inside and beyond else "-")
-        past = [band_change(loss, finetune.FINE_TUNED, finetune.ORIGINAL_WINDOWED, band) for band in prose
-                if within and int(band.split("-")[0]) >= within]
-        past = [change for change in past if change is not None]
-        row.append(f"{max(past):+.1%}" if past else "-")
-        haystacks = {haystack: accuracy_by_context_text(models.get(finetune.FINE_TUNED, {}))
-                     for haystack, models in (summary.get("needle") or {}).items()}
-        row.append("; ".join(text if len(haystacks) == 1 else f"{haystack}: {text}"
-                             for haystack, text in haystacks.items()) or "-")
+        row += ["-" if value is None else style.format(value) for value, style in headline_numbers(summary, domains)]
+        row.append(needle_text(summary.get("needle")))
         samples = summary.get("teacher_samples")
         row.append(f"{samples['tokens'] / 1e6:.1f}M tokens in {samples['seconds']:.0f} s" if samples else "-")
         lines.append("| " + " | ".join(row) + " |")
+    for group in seed_groups(runs):
+        numbers = [headline_numbers(runs[name]["summary"], domains) for name in group]
+        row = [f"{', '.join(group)}: range over seeds", "-"]
+        for column in zip(*numbers):
+            values, style = [value for value, _ in column if value is not None], column[0][1]
+            row.append(f"{style.format(min(values))} to {style.format(max(values))}" if values else "-")
+        needles, ranges = [runs[name]["summary"].get("needle") or {} for name in group], {}
+        for haystack, models in needles[0].items():
+            for length in models.get(finetune.FINE_TUNED, {}):
+                values = [needle.get(haystack, {}).get(finetune.FINE_TUNED, {}).get(length) for needle in needles]
+                if None not in values:
+                    ranges.setdefault(haystack, {finetune.FINE_TUNED: {}})[finetune.FINE_TUNED][length] = values
+        row.append(needle_text(ranges, lambda values: f"{min(values):.0%}-{max(values):.0%}"))
+        row.append("-")
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def headline_numbers(summary, domains):
+    """The table's numeric columns of one run, each (value or None, its format string)."""
+    vs = summary.get("vs_original", {})
+    numbers = [(vs[d]["loss_change"] if d in vs else None, "{:+.1%}") for d in domains]
+    numbers += [(vs[d]["top1_agreement"] if d in vs else None, "{:.1%}") for d in domains]
+    loss = summary["domains"].get("prose", {}).get("loss", {})
+    prose = loss.get(finetune.FINE_TUNED, {})
+    within = summary.get("within_original_context")
+    inside = [band for band, v in prose.items() if v is not None and int(band.split("-")[1]) <= within]
+    beyond = [prose[band] for band, v in prose.items() if v is not None and int(band.split("-")[0]) >= within]
+    changes = [band_change(loss, finetune.FINE_TUNED, finetune.ORIGINAL, band) for band in inside]
+    numbers.append((max((change for change in changes if change is not None), default=None), "{:+.1%}"))
+    numbers.append((max(beyond) - prose[inside[-1]] if inside and beyond else None, "{:+.3f} nats"))
+    past = [band_change(loss, finetune.FINE_TUNED, finetune.ORIGINAL_WINDOWED, band) for band in prose
+            if within and int(band.split("-")[0]) >= within]
+    numbers.append((max((change for change in past if change is not None), default=None), "{:+.1%}"))
+    return numbers
+
+
+def needle_text(needle, percent=lambda accuracy: f"{accuracy:.0%}"):
+    """The fine-tuned model's needle accuracy by length, haystacks named when there are several; "-" without."""
+    haystacks = {haystack: ", ".join(f"{short_tokens(int(length))} {percent(accuracy)}"
+                                     for length, accuracy in models.get(finetune.FINE_TUNED, {}).items())
+                 for haystack, models in (needle or {}).items()}
+    return "; ".join(text if len(haystacks) == 1 else f"{haystack}: {text}"
+                     for haystack, text in haystacks.items()) or "-"
+
+
+def seed_groups(runs):
+    """Names of the runs whose recipes (RECIPES: the options besides those every recipe of a study shares) differ only
+    in --seed, grouped: groups of two or more, in run order."""
+    groups = {}
+    for name in [name for name in runs if name in RECIPES]:
+        options = RECIPES[name]
+        seeds = {i for i, option in enumerate(options) if option == "--seed"}
+        key = tuple(option for i, option in enumerate(options) if i not in seeds and i - 1 not in seeds)
+        groups.setdefault(key, []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
 
 
 def run_recipes(recipes, args, common, save):

@@ -85,6 +85,16 @@ def test_the_table_gives_prose_worst_bands_inside_and_past_the_originals_context
     summary["needle"]["docs"] = {"converted, fine-tuned": {"2048": 0.5}}  # haystacks named when there are several
     row = retrofit_study.table({"r": {"summary": summary}}).splitlines()[-1].split(" | ")
     assert row[7] == "prose: 2k 100%, 16k 25%; docs: 2k 50%"
+    # The same recipe with other seeds: a last row with each number's range over them; other recipes stay out of it.
+    again = {**summary, "vs_original": {"prose": {"loss_change": 0.01, "top1_agreement": 0.75}},
+             "needle": {"prose": {"converted, fine-tuned": {"2048": 0.5, "16384": 0.75}}}}
+    runs = {"default": {"summary": summary}, "no-kl": {"summary": again}, "seed-1": {"summary": again}}
+    lines = retrofit_study.table(runs).splitlines()
+    assert len(lines) == 2 + 3 + 1
+    spread = lines[-1].split(" | ")
+    assert spread[0] == "| default, seed-1: range over seeds"
+    assert spread[2:8] == ["+1.0% to +3.0%", "71.0% to 75.0%", "+5.0% to +5.0%", "+0.100 nats to +0.100 nats",
+                           "+6.2% to +6.2%", "2k 50%-100%, 16k 25%-75%"]
 
 
 @pytest.mark.parametrize("gpus", ["cuda:0", "0,,1"])
