@@ -354,7 +354,6 @@ NEEDLE_DEPTHS = tuple(i / 10 for i in range(11))
 NEEDLE_BATCH_TOKENS = 2**17
 
 
-@torch.no_grad()
 def needle_in_a_haystack(model, tokenizer, haystack_ids, context_lengths, depths, device=None, with_answers=False,
                          batch_tokens=NEEDLE_BATCH_TOKENS):
     """Easy-mode needle-in-a-haystack (Qin et al., 2024; the FoX paper's setting for models without instruction

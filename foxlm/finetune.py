@@ -930,12 +930,14 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
                   f"top-1 agreement {agreement:.1%}")
     if args.needle:
         tests = needle(args, {} if args.skip_original else {ORIGINAL: source}, fine_tuned_dir, held_out, run_dir,
-                       dtype, device, context) or {}
-        summary["needle"] = {domain: {label: result["accuracy_by_context"] for label, result in models.items()}
-                             for domain, models in tests.items()} if tests else None
-        summary["needle_by_distance"] = {
-            domain: {label: {band: pooled["accuracy"] for band, pooled in result["accuracy_by_distance"].items()}
-                     for label, result in models.items()} for domain, models in tests.items()} if tests else None
+                       dtype, device, context)
+        summary["needle"] = summary["needle_by_distance"] = None  # the test was skipped: text too short
+        if tests:
+            summary["needle"] = {domain: {label: result["accuracy_by_context"] for label, result in models.items()}
+                                 for domain, models in tests.items()}
+            summary["needle_by_distance"] = {
+                domain: {label: {band: pooled["accuracy"] for band, pooled in result["accuracy_by_distance"].items()}
+                         for label, result in models.items()} for domain, models in tests.items()}
     samples_path = run_dir / SAMPLES_FILE
     if samples_path.exists():
         with np.load(samples_path) as saved:
