@@ -7,6 +7,7 @@ against the same steps trained in one process and writes what it measured to the
 """
 
 import copy
+import gc
 import json
 import sys
 
@@ -77,5 +78,9 @@ if __name__ == "__main__":
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         main(*sys.argv[1:])
+        dist.barrier()  # no process tears its group down while the other still trains or reloads
     finally:
+        # The sharded model's device mesh holds the process group: collected here, the group and its worker threads
+        # go while the interpreter is whole, not during its shutdown (where gloo can abort the process).
+        gc.collect()
         dist.destroy_process_group()
