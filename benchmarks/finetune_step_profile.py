@@ -15,8 +15,12 @@ import argparse
 import contextlib
 import gzip
 import json
+import tempfile
 import time
 from pathlib import Path
+
+from foxlm.benchmarks.run_record import RESULTS_DIR, new_record, record_path, write_record
+from foxlm.outputs import write_file_atomic
 
 LABELS = ("teacher forward", "student forward", "loss head")
 
@@ -34,7 +38,7 @@ def labelled(function, label):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile-steps", type=int, default=3, help="steps recorded (default: %(default)s)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder of the result")
+    parser.add_argument("--out", default=RESULTS_DIR, help="folder of the result (default: %(default)s)")
     parser.add_argument("--keep-trace", action="store_true",
                         help="also write the profiled steps' Chrome trace (gzipped JSON, for chrome://tracing or "
                              "Perfetto) beside the result")
@@ -45,7 +49,6 @@ def main(argv=None):
     from transformers import TrainerCallback
 
     from foxlm import distillation, finetune
-    from foxlm.benchmarks.run_record import write_record
     from foxlm.benchmarks.trainer_step_profile import busy_seconds
 
     on_gpu = torch.cuda.is_available()
@@ -103,23 +106,19 @@ def main(argv=None):
             per_step[event.key]["gpu_span_ms"] = event.device_time_total / 1e3 / steps
     key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     top = sorted((e for e in events if e.key not in LABELS), key=lambda e: -getattr(e, key))[:15]
-    device = torch.cuda.get_device_name() if on_gpu else "cpu"
-    result = {"device": device, "torch": torch.__version__, "finetune_args": args.finetune_args, "step_s": step_s,
-              "profiled_steps": steps, "per_step": per_step,
-              f"top_{'device' if on_gpu else 'cpu'}_ms_per_step": {e.key: getattr(e, key) / 1e3 / steps for e in top}}
-    path = Path(args.out) / f"finetune_step_profile_{device.replace(' ', '_')}_{time.strftime('%Y%m%d-%H%M')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    result = new_record(finetune_args=args.finetune_args, step_s=step_s, profiled_steps=steps, per_step=per_step, **{
+        f"top_{'device' if on_gpu else 'cpu'}_ms_per_step": {e.key: getattr(e, key) / 1e3 / steps for e in top}})
+    path = Path(record_path(args.out, "finetune_step_profile", result))
     if on_gpu or args.keep_trace:
-        trace = path.with_suffix(".trace.tmp.json")
-        profiler.export_chrome_trace(str(trace))
-        text = trace.read_text()
-        trace.unlink()
+        with tempfile.TemporaryDirectory() as folder:
+            trace = Path(folder) / "trace.json"
+            profiler.export_chrome_trace(str(trace))
+            text = trace.read_text()
         if on_gpu:
             busy, kernels = busy_seconds(json.loads(text)["traceEvents"])
             result.update(gpu_busy_fraction=busy / steps / step_s, kernels_per_step=kernels / steps)
         if args.keep_trace:
-            with gzip.open(path.with_suffix(".trace.json.gz"), "wt") as out:
-                out.write(text)
+            write_file_atomic(path.with_suffix(".trace.json.gz"), gzip.compress(text.encode()))
     write_record(path, result)
     print(f"step {step_s:.3f} s; per step: " + ", ".join(
         f"{label} {v.get('host_ms', 0):.0f} ms host / {v.get('kernel_ms', 0):.0f} ms of kernels" for label, v in

@@ -4,16 +4,16 @@ backward, per call, the best of three after two warm-up calls.
     OMP_NUM_THREADS=2 python benchmarks/reference_attention_cpu.py --label after
     # the same against another checkout, to compare: PYTHONPATH=/path/to/other/foxlm python ... --label before
 
-Writes benchmarks/results/reference_attention_cpu_<label>_<date>.json with the machine, the threads and the commit
-of the foxlm it imported.
+Writes reference_attention_cpu_<label>_cpu_<date>.json in --out with the machine, the threads and the commit and
+source digest of the foxlm it imported (foxlm.benchmarks.run_record).
 """
 
 import argparse
 import os
 import platform
-import subprocess
 import time
-from pathlib import Path
+
+from foxlm.benchmarks.run_record import RESULTS_DIR, new_record, record_path, write_record
 
 SHAPES = [(4, 512, 9, 3, 64), (1, 2048, 9, 3, 64), (2, 1024, 8, 8, 64)]  # B, T, query heads, KV heads, D
 
@@ -32,12 +32,10 @@ def best_of(run, repeats=3, warmup=2):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--label", required=True, help="names the result file, e.g. before or after")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=RESULTS_DIR, help="folder of the result (default: %(default)s)")
     args = parser.parse_args()
     import torch
 
-    import foxlm
-    from foxlm.benchmarks.run_record import write_record
     from foxlm.kernels import forgetting_attention
 
     torch.manual_seed(0)
@@ -51,13 +49,9 @@ def main():
         rows.append({"batch": B, "seqlen": T, "query_heads": Hq, "kv_heads": Hkv, "head_dim": D,
                      "forward_ms": forward_ms, "forward_backward_ms": both_ms})
         print(rows[-1], flush=True)
-    root = Path(foxlm.__file__).resolve().parents[1]
-    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    record = {"label": args.label, "foxlm": str(root), "commit": commit, "torch": torch.__version__,
-              "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "rows": rows}
-    path = Path(args.out) / f"reference_attention_cpu_{args.label}_{time.strftime('%Y%m%d-%H%M')}.json"
+    record = new_record(label=args.label, cpu=platform.processor() or platform.machine(),
+                        threads=torch.get_num_threads(), omp_num_threads=os.environ.get("OMP_NUM_THREADS"), rows=rows)
+    path = record_path(args.out, f"reference_attention_cpu_{args.label}", record)
     write_record(path, record)
     print(f"wrote {path}")
 

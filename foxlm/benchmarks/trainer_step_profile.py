@@ -10,13 +10,12 @@ Result: trainer_step_profile_<size>_b<batch>_<device>_<time>.json in --out.
 """
 
 import argparse
-import datetime
 import json
 import tempfile
 import time
 from pathlib import Path
 
-from .run_record import RESULTS_DIR, write_record
+from .run_record import RESULTS_DIR, new_record, record_path, write_record
 
 # foxlm.pretrain's sizes (checked below), written here for --help, which answers without importing torch.
 SIZES = ("tiny", "125m", "760m")
@@ -91,24 +90,21 @@ def main():
     Trainer(model=pretrain.build_model(example_args), args=training_args,
             train_dataset=pretrain.Blocks(blocks), callbacks=[profiler]).train()
 
-    trace = Path(tempfile.mkdtemp()) / "trace.json"
-    profiler.profiler.export_chrome_trace(str(trace))
-    busy, kernels = busy_seconds(json.loads(trace.read_text())["traceEvents"])
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        profiler.profiler.export_chrome_trace(str(trace))
+        busy, kernels = busy_seconds(json.loads(trace.read_text())["traceEvents"])
     profiled_steps = PROFILED[1] - PROFILED[0]
     step_s = (profiler.marks[UNPROFILED[1]] - profiler.marks[UNPROFILED[0]]) / (UNPROFILED[1] - UNPROFILED[0])
     top = sorted(profiler.profiler.key_averages(), key=lambda event: -event.self_device_time_total)[:15]
-    device = torch.cuda.get_device_name()
-    result = dict(
-        size=args.size, variant=args.variant, context=args.context, batch_size=args.batch_size, device=device,
+    result = new_record(
+        size=args.size, variant=args.variant, context=args.context, batch_size=args.batch_size,
         step_s=step_s, tokens_per_s=args.batch_size * args.context / step_s,
         gpu_busy_per_step_s=busy / profiled_steps, busy_fraction=busy / profiled_steps / step_s,
         kernels_per_step=kernels / profiled_steps,
         top_kernels_ms_per_step={event.key: event.self_device_time_total / 1e3 / profiled_steps for event in top},
     )
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
-    name = f"trainer_step_profile_{args.size}_b{args.batch_size}_{device.replace(' ', '_')}_{stamp}.json"
-    path = Path(args.out) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = record_path(args.out, f"trainer_step_profile_{args.size}_b{args.batch_size}", result)
     write_record(path, result)
     print(f"{args.size} {args.variant}, {args.batch_size} x {args.context} tokens: step {step_s * 1e3:.0f} ms, "
           f"GPU busy {result['busy_fraction']:.0%}, {result['kernels_per_step']:.0f} kernels per step; wrote {path}")
