@@ -66,10 +66,25 @@ def test_samples_given_serve_the_recipes_run_in_their_own_process(tmp_path):
     assert samples["tokens"] == 280 and samples["seconds"] == 12.5
 
 
-def test_the_table_gives_prose_worst_bands_inside_and_past_the_originals_context():
+def load_study():
     spec = importlib.util.spec_from_file_location("retrofit_study", STUDY)
     retrofit_study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(retrofit_study)
+    return retrofit_study
+
+
+def test_every_recipe_is_a_command_line_that_foxlm_finetune_accepts():
+    from foxlm import finetune
+
+    # The GPU's block and step sizes first (the CPU's are too small for some recipes); a recipe's own come after.
+    gpu_sizes = ["--context", "32768", "--tokens-per-step", "65536"]
+    for name, options in load_study().RECIPES.items():
+        args = finetune.parse_args([*gpu_sizes, *options, "--model", "m.gguf", "--output-dir", "run"])
+        assert args.model == "m.gguf", name
+
+
+def test_the_table_gives_prose_worst_bands_inside_and_past_the_originals_context():
+    retrofit_study = load_study()
     edges = ["0-512", "512-2048", "2048-4096", "4096-8192", "8192-16384"]
     summary = {"within_original_context": 8192, "training": {"steps": 10, "seconds": 15.0},
                "vs_original": {"prose": {"loss_change": 0.03, "top1_agreement": 0.71}},
