@@ -119,7 +119,8 @@ def run_convert_llama(args):
         args.source, args.output_dir, keep_rope=args.keep_rope, partial_rope=args.partial_rope,
         slow_pairs=args.slow_pairs, interpolate_to=args.interpolate_to, dtype=args.dtype,
         max_shard_size=args.max_shard_size, force=args.force, gate_init=args.gate_init, gate_bias=args.gate_bias,
-        decay_times=tuple(args.decay_times), token_shift=args.token_shift, output_gate=args.output_gate, **transfer,
+        decay_times=tuple(args.decay_times), token_shift=args.token_shift, output_gate=args.output_gate,
+        logn_scaling=args.logn_scaling, **transfer,
     )
     print(f"saved a FoX model to {output_dir} (see its README.md); next: fine-tune it on long documents "
           f"(`foxlm finetune --model {args.source}` converts and fine-tunes in one go)")
@@ -228,6 +229,10 @@ def add_convert_commands(commands):
                             "head can scale its output token by token, as softmax attention does by parking its "
                             "weight on the first token, which a forget gate lets decay. `foxlm finetune` converts "
                             "with it")
+    llama.add_argument("--logn-scaling", action="store_true",
+                       help="scale each query past the source's context by log(position) / log(context), so that "
+                            "its attention is not diluted by more keys than the source ever saw (Qwen's log-n "
+                            "attention; docs/retrofit.md)")
     transfer = llama.add_argument_group(
         "attention transfer (docs/retrofit.md)",
         "Train each layer's forget gate (and token shift, output gate), and a low-rank update of q_proj/k_proj with "

@@ -64,6 +64,13 @@ class FoxConfig(PreTrainedConfig):
             With `rope_slow_pairs="interpolate"` or `"compress"`, how many times slower the slow pairs turn (above
             1; with `"compress"` past `rope_max_wavelength` only): the context the model is meant for over
             `rope_max_wavelength`.
+        logn_scaling_context (`int`, *optional*):
+            Log-n attention scaling past this many tokens (Qwen's `use_logn_attn`): the query at position p (from 0,
+            within its document) is multiplied by `max(1, log(p + 1) / log(logn_scaling_context))`, so that its
+            scores over the keys grow as slowly as the number of keys dilutes them (1.08 at twice the context, 1.15
+            at four times for an 8k context). Within the context the model computes what it does without it.
+            `foxlm convert llama --logn-scaling` sets the source's context. Needs `acp_eps=None`: ACP's bound on
+            `q.k` does not cover scaled queries.
         qk_norm (`bool`, defaults to `False`):
             Per-head RMSNorm of q and k (FoX Pro), with `qk_norm_eps`.
         use_output_gate (`bool`, defaults to `False`):
@@ -151,6 +158,7 @@ class FoxConfig(PreTrainedConfig):
     rope_max_wavelength: int | float | None = None
     rope_slow_pairs: str = "drop"
     rope_slow_pairs_factor: int | float | None = None
+    logn_scaling_context: int | None = None
     qk_norm: bool = False
     qk_norm_eps: int | float = 1e-5
     use_output_gate: bool = False
@@ -214,6 +222,13 @@ class FoxConfig(PreTrainedConfig):
             )
         if self.acp_eps is not None and (isinstance(self.acp_eps, str) or not 0 < self.acp_eps < 1):
             raise ValueError(f"`acp_eps` must be in (0, 1), 'auto' or None, got {self.acp_eps!r}.")
+        if self.logn_scaling_context is not None:
+            if isinstance(self.logn_scaling_context, bool) or not self.logn_scaling_context >= 2:
+                raise ValueError(f"`logn_scaling_context` must be a number of tokens of at least 2 (the context past "
+                                 f"which queries are scaled), got {self.logn_scaling_context!r}.")
+            if self.acp_eps is not None:
+                raise ValueError("`logn_scaling_context` needs `acp_eps=None`: ACP bounds q.k by the unscaled "
+                                 "queries, which the scaling exceeds past the context.")
         if self.decode_kv_eviction and not self.qk_norm:
             raise ValueError("`decode_kv_eviction` needs `qk_norm=True`: only QK-norm bounds |q.k| for future queries.")
         rope_type = (self.rope_parameters or {}).get("rope_type", "default")

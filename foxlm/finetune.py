@@ -184,6 +184,10 @@ def build_parser(prog=None):
                           help="convert with FoX Pro's output gate, trained from the start: a head can scale its "
                                "output down, as the original did by parking attention on the first token "
                                "(docs/retrofit.md; default: on)")
+    transfer.add_argument("--logn-scaling", action=argparse.BooleanOptionalAction, default=False,
+                          help="convert with log-n attention scaling: each query past the original's context "
+                               "scaled by log(position) / log(context), so that more keys than the original saw do "
+                               "not dilute its attention (docs/retrofit.md; default: off)")
     transfer.add_argument("--transfer-steps", type=int, default=None,
                           help=f"optimizer steps, 0 to skip the stage (with --drop-rope, "
                                f"{machine_default('transfer_steps')}; otherwise 0: with RoPE kept, whole or in part, "
@@ -596,9 +600,9 @@ OPTIONS_FILE = "training_options.json"
 TRAINING_OPTIONS = ("model", "text_files", "dataset", "text_column", "train_domains", "group_related",
                     "copy_spans", "teacher_samples", "seed",
                     "sample_temperature", "sample_length", "partial_rope", "drop_rope", "keep_rope", "slow_pairs",
-                    "interpolate_to", "gate_bias", "token_shift",
-                    "output_gate", "transfer_steps", "transfer_qk_rank", "transfer_lr", "transfer_length",
-                    "transfer_batch_size", "context", "steps", "tokens_per_step", "micro_batch_size",
+                    "interpolate_to", "gate_bias", "token_shift", "output_gate", "logn_scaling",
+                    "transfer_steps", "transfer_qk_rank", "transfer_lr", "transfer_length", "transfer_batch_size",
+                    "context", "steps", "tokens_per_step", "micro_batch_size",
                     "context_parallel", "processes", "full", "lora_r", "lora_modules", "lr", "warmup_steps",
                     "kl_weight", "kl_weight_past_context", "distill_only", "teacher_context")
 
@@ -664,6 +668,8 @@ def recorded_options(run_dir):
         options["kl_weight_past_context"] = 0.0
     if "context" in options and "seed" not in options:  # recorded before --seed: 0
         options["seed"] = 0
+    if "context" in options and "logn_scaling" not in options:  # recorded before --logn-scaling: off
+        options["logn_scaling"] = False
     return options
 
 
@@ -785,7 +791,7 @@ def convert(args, source, converted_dir, train_docs, context):
 
     try:
         convert_llama_to_fox(source, converted_dir, force=args.force, token_shift=args.token_shift,
-                             output_gate=args.output_gate, **rope_options(args),
+                             output_gate=args.output_gate, logn_scaling=args.logn_scaling, **rope_options(args),
                              **transfer_options(args, train_docs, context))
     except ConversionError as error:
         sys.exit(f"error: {error}")

@@ -103,7 +103,10 @@ def conversion_changes(kind, config, options=None):
           "token's."] if config.use_k_shift else []) + (
         ["Added: FoX Pro's output gate per channel and layer (`self_attn.ogate_proj`), initialised with zero weights "
          "(a gate of 1/2), with `o_proj`'s weight doubled in return, so that it starts as no gate."]
-        if config.use_output_gate else [])
+        if config.use_output_gate else []) + (
+        [f"Added: log-n attention scaling past the source's context (`logn_scaling_context="
+         f"{config.logn_scaling_context}`): each query past it is multiplied by log(position) / log(context)."]
+        if config.logn_scaling_context else [])
 
 
 def rope_change(config):
@@ -140,7 +143,8 @@ def conversion_card(*, name, kind, source, config, dtype, tokenizer_saved, verif
             rope += f" --interpolate-to {config.rope_max_wavelength * config.rope_slow_pairs_factor:g}"
         command = (f"foxlm convert llama {source} {name} {gate}" + rope
                    + (" --token-shift" if config.use_k_shift else "")
-                   + (" --output-gate" if config.use_output_gate else ""))
+                   + (" --output-gate" if config.use_output_gate else "")
+                   + (" --logn-scaling" if config.logn_scaling_context else ""))
         next_step = ("Not yet a good language model: without RoPE (and with the new gates) the pretrained attention no "
                      "longer sees positions as it was trained to, so its loss starts well above the source's. "
                      "Fine-tuning on long documents teaches the attention to work without RoPE and the gates to "

@@ -140,6 +140,8 @@ class FoxAttentionLayout:
         doc_start: (B, T) bool, True where a packed document begins (the token shift restarts there).
         context_parallel: with context parallelism, the group's `ContextParallel`: then T is this rank's slice,
             `doc_start` covers the slice and `cu_seqlens` the whole sequence (what the attention sees).
+        query_scale: (B or 1, T) float32, in the chunk's given order, the factor of each query
+            (`config.logn_scaling_context`), or None.
     """
 
     seq_start: torch.Tensor | None = None
@@ -149,6 +151,12 @@ class FoxAttentionLayout:
     max_seqlen: int | None = None
     doc_start: torch.Tensor | None = None
     context_parallel: ContextParallel | None = None
+    query_scale: torch.Tensor | None = None
+
+
+def logn_query_scale(position_ids, context):
+    """Log-n scaling's factor for the queries at `position_ids`: log(p + 1) / log(context), at least 1."""
+    return (torch.log1p(position_ids.float()) / math.log(context)).clamp(min=1.0)
 
 
 class FoxAttention(nn.Module):
@@ -351,6 +359,11 @@ class FoxAttention(nn.Module):
             q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
         # Under autocast, fp32 RoPE tables promote q and k to fp32; v keeps the compute dtype.
         q, k = q.to(v.dtype), k.to(v.dtype)
+        if layout.query_scale is not None:
+            scale = layout.query_scale.expand(B, T)
+            if layout.order is not None:
+                scale = _take_tokens(scale, layout.order)
+            q = q * scale[:, :, None, None].to(q.dtype)
 
         if cache_layer is not None:
             out = self._cached_attention(q, k, v, log_fgate, raw_k, raw_v, cache_layer, layout)
@@ -582,6 +595,9 @@ class FoxModel(FoxPreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_length
             position_ids = position_ids.unsqueeze(0)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
+        if self.config.logn_scaling_context is not None:
+            layout = dataclasses.replace(layout, query_scale=logn_query_scale(position_ids,
+                                                                              self.config.logn_scaling_context))
 
         hidden_states = inputs_embeds
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:

@@ -247,6 +247,18 @@ def test_output_gate_starts_as_no_gate_and_keeps_the_llamas_logits(tmp_path):
     assert "--output-gate" in card and "`o_proj`'s weight doubled" in card
 
 
+def test_logn_scaling_keeps_the_llama_within_its_context_and_scales_the_queries_past_it(tmp_path):
+    llama = save_tiny(tmp_path / "llama", max_position_embeddings=100)
+    out = convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", dtype="fp32", logn_scaling=True, **OPEN_GATES)
+    fox = FoxForCausalLM.from_pretrained(out).eval()
+    assert fox.config.logn_scaling_context == 100
+    assert_the_source_up_to_the_cut_only(fox, llama, cut=100)
+    card = (out / "README.md").read_text()
+    assert "--logn-scaling" in card and "`logn_scaling_context=100`" in card
+    main(["convert", "llama", str(tmp_path / "llama"), str(tmp_path / "cli"), "--partial-rope", "--logn-scaling"])
+    assert json.loads((tmp_path / "cli" / "config.json").read_text())["logn_scaling_context"] == 100
+
+
 def test_converted_folder_tokenizer_loads_without_foxlm_or_trust_remote_code(tmp_path):
     from conftest import byte_tokenizer
 

@@ -295,6 +295,11 @@ def test_partial_rope_with_slow_pairs_compressed_past_the_original_context_by_de
     config = json.loads((root / "gate-bias" / "converted" / "config.json").read_text())
     assert config["use_rope"] and config["rope_max_wavelength"] is None and config["fgate_bias_init"] == 10.0
     assert json.loads((root / "gate-bias" / "training_options.json").read_text())["options"]["gate_bias"] == 10.0
+    # --logn-scaling converts with the queries past the original's context (128) scaled, trains so, and is recorded.
+    foxlm(["finetune", *finetune_args(root, "logn", "--logn-scaling", "--context", "256", "--steps", "1",
+                                      "--skip-eval", "--teacher-samples", "0")])
+    assert json.loads((root / "logn" / "fine-tuned" / "config.json").read_text())["logn_scaling_context"] == 128
+    assert json.loads((root / "logn" / "training_options.json").read_text())["options"]["logn_scaling"] is True
 
 
 def test_bad_arguments_are_named_before_any_training(llama_and_corpus, capsys):

@@ -28,7 +28,9 @@ ROPE = {"no-rope": {}, "partial-rope": dict(use_rope=True, rope_max_wavelength=5
         "interpolated-slow-pairs": dict(use_rope=True, rope_max_wavelength=6.0, rope_slow_pairs="interpolate",
                                         rope_slow_pairs_factor=4.0),
         "compressed-slow-pairs": dict(use_rope=True, rope_max_wavelength=6.0, rope_slow_pairs="compress",
-                                      rope_slow_pairs_factor=4.0)}
+                                      rope_slow_pairs_factor=4.0),
+        "compressed-slow-pairs-logn-scaling": dict(use_rope=True, rope_max_wavelength=6.0, rope_slow_pairs="compress",
+                                                   rope_slow_pairs_factor=4.0, logn_scaling_context=4, acp_eps=None)}
 
 
 @pytest.mark.parametrize("rope", ROPE.values(), ids=ROPE.keys())
@@ -83,8 +85,9 @@ def test_assisted_decoding_with_a_fox_assistant_equals_greedy(make_model):
     assert torch.equal(assisted, greedy_without_cache(model, ids, 10))
 
 
-def test_left_padded_batch_generates_what_each_prompt_generates_alone(make_model):
-    model = make_model()
+@pytest.mark.parametrize("positions", [{}, dict(logn_scaling_context=3, acp_eps=None)], ids=["gates", "logn-scaling"])
+def test_left_padded_batch_generates_what_each_prompt_generates_alone(make_model, positions):
+    model = make_model(**positions)
     prompts = [torch.randint(3, 97, (n,)) for n in (7, 3, 5)]
     T = max(len(p) for p in prompts)
     ids = torch.randint(3, 97, (len(prompts), T))

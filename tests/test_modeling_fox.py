@@ -1,4 +1,5 @@
 import copy
+import math
 
 import pytest
 import torch
@@ -52,8 +53,10 @@ def test_logits_to_keep_inputs_embeds_and_hidden_states(make_model):
     torch.testing.assert_close(model(inputs_embeds=embeds).logits, full.logits)
 
 
-# With RoPE, each sequence's positions (and so the clamp of the slow pairs) count from its own first token.
-ROPE = {"no-rope": {}, "clamped-slow-pairs": dict(use_rope=True, rope_max_wavelength=4.0, rope_slow_pairs="clamp")}
+# With RoPE or log-n scaling, each sequence's positions (and so the clamp of the slow pairs, the queries' scale) count
+# from its own first token.
+ROPE = {"no-rope": {}, "clamped-slow-pairs": dict(use_rope=True, rope_max_wavelength=4.0, rope_slow_pairs="clamp"),
+        "logn-scaling": dict(logn_scaling_context=3, acp_eps=None)}
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -73,6 +76,24 @@ def test_padding_gives_the_logits_of_unpadded_sequences(make_model, side, rope):
     for b, s in enumerate(seqs):
         where = slice(T - len(s), T) if side == "left" else slice(0, len(s))
         torch.testing.assert_close(logits[b, where], model(s[None]).logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_logn_scaling_multiplies_each_query_past_the_context_by_log_p_over_log_context(make_model, monkeypatch):
+    from foxlm import modeling_fox
+
+    queries, attention = [], modeling_fox.forgetting_attention
+    monkeypatch.setattr(modeling_fox, "forgetting_attention", lambda q, *args, **kwargs: attention(
+        queries.append(q) or q, *args, **kwargs))
+    plain, scaled = make_model(acp_eps=None), make_model(acp_eps=None, logn_scaling_context=4)  # the same weights
+    ids = torch.randint(3, 97, (1, 12))
+    plain(ids)
+    scaled(ids)
+    first_layer_plain, first_layer_scaled = queries[0], queries[plain.config.num_hidden_layers]
+    factor = (torch.log(torch.arange(1.0, 13.0)) / math.log(4)).clamp(min=1)  # position p sees p + 1 tokens
+    assert factor[3] == 1 and factor[-1] > 1.7
+    torch.testing.assert_close(first_layer_scaled, first_layer_plain * factor[None, :, None, None])
+    # Within the context the model is the one without scaling.
+    torch.testing.assert_close(scaled(ids[:, :4]).logits, plain(ids[:, :4]).logits, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("rope", ROPE.values(), ids=ROPE.keys())

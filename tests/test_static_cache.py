@@ -17,6 +17,7 @@ VARIANTS = {
     "acp": dict(acp_eps=1e-4),
     "acp_without_qk_norm": dict(acp_eps=1e-4, qk_norm=False),  # the cache tracks key norms
     "eviction": dict(decode_kv_eviction=True),
+    "logn_scaling": dict(logn_scaling_context=4, acp_eps=None),  # a step's query scale from its position
 }
 
 
@@ -91,7 +92,7 @@ def test_text_generation_pipeline_gives_the_same_text_with_either_cache(make_mod
     assert generator(prompts, cache_implementation="static", **kwargs) == generator(prompts, **kwargs)
 
 
-@pytest.mark.parametrize("variant", ["pro", "acp_without_qk_norm"])
+@pytest.mark.parametrize("variant", ["pro", "acp_without_qk_norm", "logn_scaling"])
 def test_static_state_equals_the_dynamic_state(make_model, variant):
     model = make_model(**VARIANTS[variant])
     ids, mask = left_padded_batch([8, 5])
@@ -163,13 +164,16 @@ def test_compiled_chunked_prefill_generates_what_the_dynamic_cache_generates(mak
     assert len(computing) == 1  # the decode step (before the chunks' graph break, dynamo leaves an empty graph)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])  # triton: the decode kernel in Triton's interpreter
-def test_compiled_decoding_is_one_graph_compiled_once(make_model, backend):
+# triton: the decode kernel in Triton's interpreter; log-n scaling: each step's query scale from its position tensor.
+@pytest.mark.parametrize("backend, options", [("reference", dict(acp_eps=1e-4)), ("triton", dict(acp_eps=1e-4)),
+                                              ("reference", VARIANTS["logn_scaling"])],
+                         ids=["reference", "triton", "reference-logn-scaling"])
+def test_compiled_decoding_is_one_graph_compiled_once(make_model, backend, options):
     """generate()'s compile path (what it does on CUDA, here on the CPU): every decode step runs one full graph,
     compiled once, and gives the eager dynamic cache's tokens."""
     if backend == "triton":
         pytest.importorskip("triton")
-    model = make_model(acp_eps=1e-4, attention_backend=backend)
+    model = make_model(attention_backend=backend, **options)
     ids, mask = left_padded_batch([9, 6])
     kwargs = dict(attention_mask=mask, max_new_tokens=6, **GREEDY)
     graphs = []

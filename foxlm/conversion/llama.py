@@ -124,15 +124,16 @@ def partial_rope_cut(config, partial_rope):
 
 def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_pairs=None, interpolate_to=None,
                           gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS, decay_times=DEFAULT_DECAY_TIMES,
-                          token_shift=False, output_gate=False):
+                          token_shift=False, output_gate=False, logn_scaling=False):
     """A FoxConfig with the source's sizes, a data-dependent forget gate, with `keep_rope` its RoPE, with
     `partial_rope` its RoPE on the channel pairs whose wavelength is shorter than `partial_rope` tokens only (True: the
     source's context, `max_position_embeddings`; the slower pairs rotated up to that position only, or with
     `slow_pairs="drop"` unrotated, or with `slow_pairs="interpolate"` turning slower, as far over `interpolate_to`
     tokens as they did over the cut, or with `slow_pairs="compress"` that many times slower past the cut only:
     `FoxConfig.rope_slow_pairs`), with `token_shift` a key and value token shift (FoX
-    Pro's) that starts near no shift, and with `output_gate` FoX Pro's output gate (`fox_from_llama` makes it start as
-    no gate)."""
+    Pro's) that starts near no shift, with `output_gate` FoX Pro's output gate (`fox_from_llama` makes it start as
+    no gate), and with `logn_scaling` log-n attention scaling past the source's context
+    (`FoxConfig.logn_scaling_context`)."""
     check_gate_options(gate_init, gate_bias, decay_times)
     if keep_rope and partial_rope:
         raise ConversionError("keep_rope keeps all of RoPE and partial_rope part of it: give one.")
@@ -169,6 +170,8 @@ def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_p
         fields.update(use_k_shift=True, use_v_shift=True, shift_bias=True)
     if output_gate:
         fields["use_output_gate"] = True
+    if logn_scaling:
+        fields["logn_scaling_context"] = int(config.max_position_embeddings)
     if keep_rope or partial_rope:
         fields.update(use_rope=True, rope_parameters=dict(config.rope_parameters))
     if partial_rope:
@@ -229,7 +232,8 @@ def fox_from_llama(model, **options):
 def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=False, slow_pairs=None,
                          interpolate_to=None, dtype="auto",
                          max_shard_size="5GB", force=False, gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS,
-                         decay_times=DEFAULT_DECAY_TIMES, token_shift=False, output_gate=False, transfer_steps=0,
+                         decay_times=DEFAULT_DECAY_TIMES, token_shift=False, output_gate=False, logn_scaling=False,
+                         transfer_steps=0,
                          transfer_data=None, transfer_lr=DEFAULT_TRANSFER_LR, transfer_qk_rank=0, transfer_seed=0,
                          transfer_device=None):
     """Convert a LLaMA-family checkpoint (`source`: folder, Hub id or .gguf file) into a FoX model folder.
@@ -243,6 +247,8 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=Fa
     some of the position information RoPE carried (the previous token's key and value), and the transfer trains it.
     With `output_gate` it gets FoX Pro's output gate, starting as no gate (`fox_from_llama`), also trained by the
     transfer: a head can then scale its output token by token, as the source did by parking attention on a sink.
+    With `logn_scaling` each query past the source's context is scaled by log(position) / log(context)
+    (`FoxConfig.logn_scaling_context`), so that its attention is not diluted by the keys the source never had.
     With `transfer_steps` > 0 the converted model's attention is first trained to reproduce the source's
     (`transfer_attention`: the forget gates, and rank-`transfer_qk_rank` q/k updates merged into the weights, their
     initialisation seeded by `transfer_seed`) on `transfer_data`, an iterable of (batch, seq_len) input-id tensors
@@ -260,7 +266,8 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=Fa
     source_config = load_source_config(source)
     options = dict(keep_rope=keep_rope, partial_rope=partial_rope, slow_pairs=slow_pairs,
                    interpolate_to=interpolate_to, gate_init=gate_init,
-                   gate_bias=gate_bias, decay_times=decay_times, token_shift=token_shift, output_gate=output_gate)
+                   gate_bias=gate_bias, decay_times=decay_times, token_shift=token_shift, output_gate=output_gate,
+                   logn_scaling=logn_scaling)
     fox_config_from_llama(source_config, **options)  # validate the options before loading any weights
     source_dtype = getattr(source_config, "dtype", None)
     source_dtype = getattr(torch, source_dtype) if isinstance(source_dtype, str) else source_dtype
