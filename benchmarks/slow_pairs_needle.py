@@ -29,6 +29,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
 from foxlm.data import smollm2_gguf_path
 from foxlm.evaluation import NEEDLE_DEPTHS, needle_haystack, needle_in_a_haystack, needle_summary, write_json
+from foxlm.modeling_fox import logn_query_scale
 
 SCHEMES = ("rope", "clamp", "interpolate", "saturate")
 QUERY_BLOCK = 2048
@@ -90,8 +91,7 @@ def slow_pairs_attention(frequencies, scheme, context, factor):
             end = int(query_positions[block][-1]) + 1  # keys past the block's last query are masked anyway
             scale = scaling
             if logn:  # per query: log(i + 1) / log(context), at least 1
-                sharpen = torch.log1p(query_positions[block].float()) / math.log(context)
-                scale = scaling * sharpen.clamp(min=1)[:, None]
+                scale = scaling * logn_query_scale(query_positions[block], context)[:, None]
             scores = q[:, :, :, block] @ k[:, :, None, :end].transpose(-1, -2) * scale
             distance = query_positions[block, None] - key_positions[None, :end]
             if scheme == "saturate":
