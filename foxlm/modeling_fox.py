@@ -140,8 +140,8 @@ class FoxAttentionLayout:
         doc_start: (B, T) bool, True where a packed document begins (the token shift restarts there).
         context_parallel: with context parallelism, the group's `ContextParallel`: then T is this rank's slice,
             `doc_start` covers the slice and `cu_seqlens` the whole sequence (what the attention sees).
-        query_scale: (B or 1, T) float32, in the chunk's given order, the factor of each query
-            (`config.logn_scaling_context`), or None.
+        query_scale: (B or 1, T) float32, in working order, the factor of each query (`config.logn_scaling_context`),
+            or None.
     """
 
     seq_start: torch.Tensor | None = None
@@ -318,9 +318,6 @@ class FoxAttention(nn.Module):
         B, T, _ = hidden_states.shape
         if layout.order is not None:
             hidden_states = _take_tokens(hidden_states, layout.order)
-            if position_embeddings is not None:
-                position_embeddings = tuple(_take_tokens(t.expand(B, -1, -1), layout.order)
-                                            for t in position_embeddings)
         q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
@@ -360,10 +357,7 @@ class FoxAttention(nn.Module):
         # Under autocast, fp32 RoPE tables promote q and k to fp32; v keeps the compute dtype.
         q, k = q.to(v.dtype), k.to(v.dtype)
         if layout.query_scale is not None:
-            scale = layout.query_scale.expand(B, T)
-            if layout.order is not None:
-                scale = _take_tokens(scale, layout.order)
-            q = q * scale[:, :, None, None].to(q.dtype)
+            q = q * layout.query_scale[:, :, None, None].to(q.dtype)
 
         if cache_layer is not None:
             out = self._cached_attention(q, k, v, log_fgate, raw_k, raw_v, cache_layer, layout)
@@ -595,9 +589,18 @@ class FoxModel(FoxPreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_length
             position_ids = position_ids.unsqueeze(0)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
+        query_scale = None
         if self.config.logn_scaling_context is not None:
-            layout = dataclasses.replace(layout, query_scale=logn_query_scale(position_ids,
-                                                                              self.config.logn_scaling_context))
+            query_scale = logn_query_scale(position_ids, self.config.logn_scaling_context)
+        if layout.order is not None:  # the attention works on the tokens in this order: put them so once, not per layer
+            B = inputs_embeds.shape[0]
+            if position_embeddings is not None:
+                position_embeddings = tuple(_take_tokens(t.expand(B, -1, -1), layout.order)
+                                            for t in position_embeddings)
+            if query_scale is not None:
+                query_scale = _take_tokens(query_scale.expand(B, -1), layout.order)
+        if query_scale is not None:
+            layout = dataclasses.replace(layout, query_scale=query_scale)
 
         hidden_states = inputs_embeds
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
