@@ -172,7 +172,6 @@ def main(argv=None):
                         length=args.length, min_position=args.min_position, local=args.local,
                         documents={domain: len(docs) for domain, docs in documents.items()}, domains=results)
     path = Path(record_path(args.out, "attention_distance", record))
-    path.parent.mkdir(parents=True, exist_ok=True)
     write_record(path, record)
     plot(results, path.with_suffix(".png"), args.local)
     for domain, by_model in results.items():

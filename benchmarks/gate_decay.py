@@ -149,7 +149,6 @@ def main(argv=None):
                         documents={domain: len(docs) for domain, docs in documents.items()})
     record["domains"] = measure(model, documents, gaps)
     path = Path(record_path(args.out, "gate_decay", record))
-    path.parent.mkdir(parents=True, exist_ok=True)
     write_record(path, record)
     plot(record["domains"], path.with_suffix(".png"))
     heads = model.config.num_hidden_layers * model.config.num_attention_heads

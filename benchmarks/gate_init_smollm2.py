@@ -111,7 +111,6 @@ def write_report(args, gguf_file, documents, results, per_document, start, vocab
         "loss_per_document": per_document,
         "uniform_loss": round(math.log(vocab_size), 3),
     }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     write_record(args.output, report)
     print(f"wrote {args.output}")
 

@@ -92,7 +92,6 @@ def main():
         report["cuts"][name] = row
         print(f"[{time.time() - start:5.0f} s] {name}: {json.dumps({k: v for k, v in row.items() if k != 'needle'})}"
               + (f" needle {row['needle']['accuracy_by_context']}" if lengths else ""), flush=True)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     write_record(args.output, report)
     print(f"wrote {args.output}")
 

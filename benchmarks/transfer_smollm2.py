@@ -160,7 +160,6 @@ def main():
                               "after_transfer": round(prose_after[0], 4)},
             "error_before": [round(e, 4) for e in prose_before[2]],
             "error_after": [round(e, 4) for e in prose_after[1]]}
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     write_record(args.output, report)
     for key in ("held_out_loss", "transfer_seconds", "total_seconds"):
         print(f"{key}: {report[key]}")
