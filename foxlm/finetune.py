@@ -187,7 +187,8 @@ def build_parser(prog=None):
     transfer.add_argument("--logn-scaling", action=argparse.BooleanOptionalAction, default=False,
                           help="convert with log-n attention scaling: each query past the original's context "
                                "scaled by log(position) / log(context), so that more keys than the original saw do "
-                               "not dilute its attention (docs/retrofit.md; default: off)")
+                               "not dilute its attention (on SmolLM2 no gain and a weaker needle: docs/retrofit.md; "
+                               "default: off)")
     transfer.add_argument("--transfer-steps", type=int, default=None,
                           help=f"optimizer steps, 0 to skip the stage (with --drop-rope, "
                                f"{machine_default('transfer_steps')}; otherwise 0: with RoPE kept, whole or in part, "
