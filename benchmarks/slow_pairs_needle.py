@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
+from foxlm.benchmarks.run_record import add_output_arguments, refuse_existing_output
 from foxlm.data import smollm2_gguf_path
 from foxlm.evaluation import NEEDLE_DEPTHS, needle_haystack, needle_in_a_haystack, needle_summary, write_json
 from foxlm.modeling_fox import logn_query_scale
@@ -121,7 +122,7 @@ def main():
     parser.add_argument("--depths", default=",".join(f"{d:g}" for d in NEEDLE_DEPTHS),
                         help="needle depths, 0 (the haystack's start) to 1 (right before the question)")
     parser.add_argument("--factor", type=float, default=4.0, help="interpolate's slow-down (default: %(default)s)")
-    parser.add_argument("--output", default=None, help="default: benchmarks/results/slow_pairs_needle_<device>.json")
+    add_output_arguments(parser, None, "the JSON results (default: benchmarks/results/slow_pairs_needle_<device>.json)")
     args = parser.parse_args()
     schemes = args.schemes.split(",")
     if unknown := [s for s in schemes if s.removesuffix("+logn") not in SCHEMES]:
@@ -131,15 +132,16 @@ def main():
     depths = [float(depth) for depth in args.depths.split(",")]
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    default = Path(__file__).parent / "results" / f"slow_pairs_needle_{device_name.replace(' ', '_')}.json"
+    output = Path(args.output) if args.output else default
+    refuse_existing_output(parser, output, args.force)
     gguf = Path(args.model) if args.model else smollm2_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     haystack = needle_haystack(tokenizer, max(lengths), domain="prose")
-    device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     results = {"device": device_name, "torch": torch.__version__, "dtype": str(dtype), "factor": args.factor,
                "command": " ".join(["python", *sys.argv]), "schemes": {}}
-    default = Path(__file__).parent / "results" / f"slow_pairs_needle_{device_name.replace(' ', '_')}.json"
-    output = Path(args.output) if args.output else default
     torch.backends.cuda.matmul.allow_tf32 = True
     start = time.time()
     for scheme in schemes:

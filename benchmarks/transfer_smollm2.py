@@ -11,7 +11,7 @@ by default (partial RoPE, gates nearly open), where the transfer starts from att
 transferred model, and each layer's gate memory (1 / mean -log f per head, on the haystack): whether the transfer
 keeps the original's retrieval, and whether decay alone forbids it. CPU-sized by default.
 
-    python benchmarks/transfer_smollm2.py                  # writes benchmarks/results/transfer_smollm2.json
+    python benchmarks/transfer_smollm2.py --force          # rewrites benchmarks/results/transfer_smollm2.json
     python benchmarks/transfer_smollm2.py --steps 100 --qk-rank 8 --output benchmarks/results/transfer_qk8.json
     python benchmarks/transfer_smollm2.py --steps 60 --qk-rank 8 --token-shift --output-gate --block-size 512 \
         --prose-blocks 0 --needle 1024,2048 --output benchmarks/results/transfer_smollm2_needle.json
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from foxlm.benchmarks.run_record import write_record
+from foxlm.benchmarks.run_record import add_output_arguments, refuse_existing_output, write_record
 from foxlm.conversion.llama import fox_from_llama
 from foxlm.conversion.transfer import DEFAULT_LR, attention_errors, token_batches, transfer_attention
 from foxlm.data import domain_texts, evenly_spaced, read_texts, smollm2_gguf_path, stdlib_split
@@ -102,8 +102,9 @@ def main():
     parser.add_argument("--needle", default="", metavar="LENGTHS",
                         help="comma-separated context lengths of a needle test of the original and the transferred "
                              "model, and the gates' memory (default: none)")
-    parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "transfer_smollm2.json"))
+    add_output_arguments(parser, str(Path(__file__).parent / "results" / "transfer_smollm2.json"))
     args = parser.parse_args()
+    refuse_existing_output(parser, args.output, args.force)
 
     start = time.time()
     gguf, tokenizer, original = load_smollm2()

@@ -38,3 +38,32 @@ def test_results_go_to_benchmarks_results_of_the_checkout_that_foxlm_runs_from()
     if not (checkout / "pyproject.toml").is_file():
         pytest.skip("foxlm is installed here, not run from its checkout (tests/test_install.py runs an installed one)")
     assert Path(run_record.RESULTS_DIR) == checkout / "benchmarks" / "results"
+
+
+FIXED_NAME_SCRIPTS = ["corpus_tokens.py", "gate_init_smollm2.py", "partial_rope_smollm2.py", "slow_pairs_needle.py",
+                      "transfer_smollm2.py"]
+
+
+@pytest.mark.parametrize("script", FIXED_NAME_SCRIPTS)
+def test_a_benchmark_that_writes_a_fixed_name_keeps_an_existing_result_unless_forced(script, tmp_path):
+    """Refused at once, before the model loads, with the file as it was; --force is the way to replace it."""
+    path = Path(foxlm.__file__).resolve().parents[1] / "benchmarks" / script
+    if not path.is_file():
+        pytest.skip("the benchmarks are not beside this foxlm")
+    existing = tmp_path / "result.json"
+    existing.write_text("an earlier result")
+    done = subprocess.run([sys.executable, str(path), "--output", str(existing)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and f"--output {existing} exists already: pass --force" in done.stderr
+    assert existing.read_text() == "an earlier result"
+
+
+def test_refuse_existing_output_lets_a_new_path_or_force_through(tmp_path):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    run_record.refuse_existing_output(parser, tmp_path / "new.json", force=False)
+    (tmp_path / "old.json").write_text("{}")
+    run_record.refuse_existing_output(parser, tmp_path / "old.json", force=True)
+    with pytest.raises(SystemExit):
+        run_record.refuse_existing_output(parser, tmp_path / "old.json", force=False)

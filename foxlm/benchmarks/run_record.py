@@ -3,7 +3,8 @@
 that starts with what the run measured on: the device, the software versions, the command line and the FOXLM_*
 environment, a digest of the foxlm sources that ran and, from a git checkout, the foxlm commit (marked `-dirty` with
 uncommitted changes). The digest identifies the code even where the commit cannot: a copied tree may carry a stale
-`.git`."""
+`.git`. The few benchmarks that write to a fixed name instead (`--output`) keep an existing file there unless given
+--force (`add_output_arguments`, `refuse_existing_output`)."""
 
 import datetime
 import hashlib
@@ -53,6 +54,19 @@ def record_path(out_dir, kind, record):
     """`<out_dir>/<kind>_<device>_<YYYYmmdd-HHMM>.json`, the time being the record's (UTC)."""
     stamp = datetime.datetime.fromisoformat(record["date"]).strftime("%Y%m%d-%H%M")
     return os.path.join(out_dir, f"{kind}_{record['device'].replace(' ', '_')}_{stamp}.json")
+
+
+def add_output_arguments(parser, default, what="the JSON record"):
+    """--output (`default` unless given) and --force, for a benchmark that writes to a path of fixed name: its
+    earlier result there is kept unless the user asks for it to be replaced (`refuse_existing_output`)."""
+    parser.add_argument("--output", default=default, help=f"{what} (default: %(default)s)")
+    parser.add_argument("--force", action="store_true", help="replace --output where it exists already")
+
+
+def refuse_existing_output(parser, path, force):
+    """Exit with a usage error, before any work, when `path` exists and --force was not given."""
+    if not force and os.path.exists(path):
+        parser.error(f"--output {path} exists already: pass --force to replace it, or give another --output")
 
 
 def write_record(path, record):
