@@ -278,11 +278,16 @@ def seed_groups(runs):
 
 
 def run_recipes(recipes, args, common, save):
-    """Each recipe in turn in this process; `save(runs)` after each."""
+    """Each recipe in turn in this process; `save(runs)` after each. Samples given (--samples-from) stand for the
+    first recipe's: recipes that sample otherwise sample their own."""
     finetune.load_documents = cached_documents()
-    finetune.teacher_samples = reused_samples(args.samples_from) if args.samples_from else cached_samples()
+    own_samples = cached_samples()
+    given = reused_samples(args.samples_from) if args.samples_from else own_samples
+    first_options = sampling_options([*RECIPES[recipes[0]], *args.finetune_args])
     runs = {}
     for name in recipes:
+        same_samples = sampling_options([*RECIPES[name], *args.finetune_args]) == first_options
+        finetune.teacher_samples = given if same_samples else own_samples
         run_dir = Path(args.output_dir) / name
         options = [*RECIPES[name], *common, "--max-minutes", str(args.minutes), "--output-dir", str(run_dir),
                    "--force"]

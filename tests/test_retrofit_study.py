@@ -66,6 +66,37 @@ def test_samples_given_serve_the_recipes_run_in_their_own_process(tmp_path):
     assert samples["tokens"] == 280 and samples["seconds"] == 12.5
 
 
+def test_samples_given_serve_only_the_recipes_that_sample_as_the_first_one_in_one_process(tmp_path, monkeypatch):
+    """Without --gpus: a recipe with other sampling options (length, seed) samples its own, not the given file."""
+    import argparse
+
+    import numpy as np
+
+    retrofit_study = load_study()
+    finetune = retrofit_study.finetune
+    for name in ("teacher_samples", "load_documents", "main"):  # restored after the test
+        monkeypatch.setattr(finetune, name, getattr(finetune, name))
+    given, documents = tmp_path / "samples.npz", [[104, 105, 257], [111, 107, 33, 257]]
+    np.savez(given, tokens=np.concatenate(documents).astype(np.int32), lengths=np.array([3, 4]), seconds=1.0)
+    samplers = {}
+
+    def record_sampler(options, prog):
+        samplers[prog.removeprefix("finetune (").removesuffix(")")] = finetune.teacher_samples
+        run_dir = Path(options[options.index("--output-dir") + 1])
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text('{"domains": {}}')
+
+    monkeypatch.setattr(finetune, "main", record_sampler)
+    args = argparse.Namespace(samples_from=str(given), finetune_args=["--steps", "1"], minutes=1.0,
+                              output_dir=str(tmp_path / "study"))
+    retrofit_study.run_recipes(["default", "sample-length-4k", "no-kl", "seed-1"], args, [], save=lambda runs: None)
+    assert samplers["no-kl"] is samplers["default"]
+    assert samplers["sample-length-4k"] is not samplers["default"] and samplers["seed-1"] is not samplers["default"]
+    run_dir = tmp_path / "no-kl"
+    run_dir.mkdir()
+    assert samplers["no-kl"](None, None, run_dir) == documents
+
+
 def load_study():
     spec = importlib.util.spec_from_file_location("retrofit_study", STUDY)
     retrofit_study = importlib.util.module_from_spec(spec)
