@@ -65,6 +65,13 @@ RECIPES = {
     # "partial-rope" recipe then); these keep it on slower pairs too, or whole.
     "partial-rope-32k": ["--partial-rope", "32768"],
     "partial-rope-64k": ["--partial-rope", "65536"],
+    # The cut below the original's context: the pairs of wavelength 4k-8k (1 of SmolLM2's 32: 5.8k) or 2k-8k (3:
+    # 2.8k-5.8k) join the compressed slow pairs (past the cut 8 or 16 times slower), as YaRN stretches the pairs whose
+    # wavelength nears the context instead of only those beyond it; left whole, they wrap around 3-11 times over
+    # 16k-32k, so a key that far back can look as near as one a few tokens back. Within 8k the converted model then
+    # differs from the original.
+    "partial-rope-4k": ["--partial-rope", "4096"],
+    "partial-rope-2k": ["--partial-rope", "2048"],
     "keep-rope": ["--keep-rope"],
     # Clamped slow pairs (they rotate up to the original's context and stop there) were the default from 2026-11-28
     # (evening: the study's "clamp-slow-pairs" recipe then) to 2026-11-30; "drop-slow-pairs" leaves them unrotated,
