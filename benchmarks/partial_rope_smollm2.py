@@ -60,6 +60,11 @@ def losses_by_band(model, domains):
     return means, bands
 
 
+def losses_and_bands(model, domains, bands):
+    """(mean loss per domain, and with `bands` the loss by band, else None), from one forward per block."""
+    return losses_by_band(model, domains) if bands else (losses(model, domains), None)
+
+
 def pairs_rotated_throughout(fox):
     """Channel pairs that keep RoPE's rotation at every position: those below the cut (the slow ones are dropped,
     stopped or slowed), all with RoPE kept whole, none without RoPE."""
@@ -117,10 +122,10 @@ def main():
     report = {"model": f"SmolLM2-135M-Instruct ({gguf.name}, dequantized to fp32)",
               "command": "python benchmarks/partial_rope_smollm2.py " + " ".join(sys.argv[1:]),
               "data": f"{args.blocks} held-out blocks of {args.block_size} tokens per domain",
-              "original": {"loss": losses(original, domains)},
-              "interpolate_to": args.interpolate_to, "cuts": {}}
-    if bands:
-        report["original"]["loss_by_band"] = losses_by_band(original, domains)[1]
+              "original": {}, "interpolate_to": args.interpolate_to, "cuts": {}}
+    report["original"]["loss"], by_band = losses_and_bands(original, domains, bands)
+    if by_band:
+        report["original"]["loss_by_band"] = by_band
     if lengths:
         report["original"]["needle"] = needle(original)
     for name in args.cuts.split(","):
@@ -131,11 +136,9 @@ def main():
                "loss_gates_open": losses(fox, domains)}
         if cut is not None:
             biased = convert(original, cut, ROPE_GATE_BIAS, args.interpolate_to)
-            if bands:
-                row[f"loss_gate_bias_{ROPE_GATE_BIAS:g}"], row[f"loss_by_band_gate_bias_{ROPE_GATE_BIAS:g}"] = (
-                    losses_by_band(biased, domains))
-            else:
-                row[f"loss_gate_bias_{ROPE_GATE_BIAS:g}"] = losses(biased, domains)
+            row[f"loss_gate_bias_{ROPE_GATE_BIAS:g}"], by_band = losses_and_bands(biased, domains, bands)
+            if by_band:
+                row[f"loss_by_band_gate_bias_{ROPE_GATE_BIAS:g}"] = by_band
         if lengths:
             row["needle"] = needle(fox)
         report["cuts"][name] = row

@@ -192,8 +192,10 @@ def reused_samples(path):
 SAMPLING_OPTIONS = ("--teacher-samples", "--sample-temperature", "--sample-length", "--sample-batch-size", "--seed")
 
 
-def sampling_options(options):
-    """The options among OPTIONS that change what is sampled from the original."""
+def sampling_options(recipe, finetune_args):
+    """The options of `recipe`, with those every recipe of the study gets (`finetune_args`), that change what is
+    sampled from the original."""
+    options = [*RECIPES[recipe], *finetune_args]
     return [(option, value) for option, value in zip(options, options[1:]) if option in SAMPLING_OPTIONS]
 
 
@@ -290,10 +292,10 @@ def run_recipes(recipes, args, common, save):
     finetune.load_documents = cached_documents()
     own_samples = cached_samples()
     given = reused_samples(args.samples_from) if args.samples_from else own_samples
-    first_options = sampling_options([*RECIPES[recipes[0]], *args.finetune_args])
+    first_options = sampling_options(recipes[0], args.finetune_args)
     runs = {}
     for name in recipes:
-        same_samples = sampling_options([*RECIPES[name], *args.finetune_args]) == first_options
+        same_samples = sampling_options(name, args.finetune_args) == first_options
         finetune.teacher_samples = given if same_samples else own_samples
         run_dir = Path(args.output_dir) / name
         options = [*RECIPES[name], *common, "--max-minutes", str(args.minutes), "--output-dir", str(run_dir),
@@ -318,7 +320,7 @@ def run_recipes_on_gpus(recipes, args, gpus, save):
     given = args.samples_from is not None
     samples = Path(args.samples_from) if given else output / sampler / finetune.SAMPLES_FILE
     sampler_started = time.time()
-    samples_options = sampling_options([*RECIPES[sampler], *args.finetune_args])
+    samples_options = sampling_options(sampler, args.finetune_args)
     samples_wanted = ("--teacher-samples", "0") not in samples_options
 
     def sampled():  # given, or by this study's sampler, not an earlier study in this folder
@@ -328,7 +330,7 @@ def run_recipes_on_gpus(recipes, args, gpus, save):
         if name == sampler or not samples_wanted or sampled():
             return True
         sampler_ended = sampler not in [entry[0] for entry in running.values()]
-        return sampling_options([*RECIPES[name], *args.finetune_args]) != samples_options or sampler_ended
+        return sampling_options(name, args.finetune_args) != samples_options or sampler_ended
 
     while pending or running:
         for slot, gpu in enumerate(gpus):
@@ -336,7 +338,7 @@ def run_recipes_on_gpus(recipes, args, gpus, save):
                 continue
             name = pending.pop(0)
             reuse = (given or name != sampler) and sampled() and (
-                sampling_options([*RECIPES[name], *args.finetune_args]) == samples_options)
+                sampling_options(name, args.finetune_args) == samples_options)
             command = [sys.executable, __file__, "--recipes", name, "--minutes", str(args.minutes),
                        "--output-dir", str(output), "--results", str(output / f"{name}.result"),
                        *(["--model", args.model] if args.model else []),

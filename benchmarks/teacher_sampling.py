@@ -37,10 +37,11 @@ def sample_with_refill(model, *, num_tokens, eos_token_id, max_length, batch_siz
     rows = [([], [], order) for order in range(batch_size)]
     starts = [0] * batch_size
     next_input = torch.full((batch_size,), eos_token_id, device=device)
-    started, finished, lone_eos, slot = batch_size, {}, 0, 0  # slot: the cache slot of this step's inputs
+    started, finished, lone_eos = batch_size, {}, 0
     committed = 0  # tokens of the documents kept and of those running
     with torch.no_grad(), tqdm(total=num_tokens, desc="sampling from the original", unit="tok") as progress:
         while rows:
+            slot = cache.get_seq_length()  # the cache slot of this step's inputs
             positions = torch.tensor([len(tokens) for tokens, _, _ in rows], device=device)
             live = torch.arange(slot + 1, device=device)[None, :] >= torch.tensor(starts, device=device)[:, None]
             logits = model(input_ids=next_input[:, None], attention_mask=live.long(), position_ids=positions[:, None],
@@ -49,7 +50,6 @@ def sample_with_refill(model, *, num_tokens, eos_token_id, max_length, batch_siz
             sampled = torch.multinomial(log_probs.exp(), 1, generator=generator)
             sampled_log_probs = log_probs.gather(-1, sampled)[:, 0].tolist()
             sampled = sampled[:, 0].tolist()
-            slot += 1
             committed += len(rows)
             keep, inputs = [], []
             for row, (token, log_prob) in enumerate(zip(sampled, sampled_log_probs)):
@@ -75,7 +75,7 @@ def sample_with_refill(model, *, num_tokens, eos_token_id, max_length, batch_siz
                 if committed < num_tokens:
                     rows[row] = ([], [], started)  # the next document starts here, at the next step
                     started += 1
-                    starts[row] = slot
+                    starts[row] = slot + 1
                     keep.append(row)
                     inputs.append(eos_token_id)
             rows = [rows[row] for row in keep]
@@ -84,7 +84,7 @@ def sample_with_refill(model, *, num_tokens, eos_token_id, max_length, batch_siz
                 next_input = torch.tensor(inputs, device=device)
                 if len(keep) < len(sampled):
                     cache.batch_select_indices(torch.tensor(keep, device=device))
-                slot = drop_masked_slots(cache, starts, slot)
+                drop_masked_slots(cache, starts)
     documents, total = [], 0
     for order in sorted(finished):
         if total >= num_tokens:
@@ -94,16 +94,16 @@ def sample_with_refill(model, *, num_tokens, eos_token_id, max_length, batch_siz
     return documents
 
 
-def drop_masked_slots(cache, starts, slot):
+def drop_masked_slots(cache, starts):
     """Drop the cache slots before every row's document (masked out for all rows) once they are a quarter of it, so
-    the cache holds about the longest running document instead of every step; returns the new slot count."""
+    the cache holds about the longest running document instead of every step; `starts` (each row's first slot)
+    follows."""
     dead = min(starts)
-    if dead < max(64, slot // 4):
-        return slot
+    if dead < max(64, cache.get_seq_length() // 4):
+        return
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys[..., dead:, :], layer.values[..., dead:, :]
     starts[:] = [start - dead for start in starts]
-    return slot - dead
 
 
 def main():
@@ -130,6 +130,7 @@ def main():
     model, tokenizer = load_causal_lm(args.model, dtype=torch.bfloat16, device="cuda")
     record = new_record(model=args.model, tokens=args.tokens, runs=[])
     path = record_path(args.out, "teacher_sampling", record)
+
     def refill(model, **kwargs):
         return [document for document, _ in sample_with_refill(model, temperature=1.0, **kwargs)]
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_distillation import tiny_llama
 
 from foxlm.distillation import sample_documents
 
@@ -21,10 +21,8 @@ def load_script():
 
 
 def llama_that_ends_documents(eos=5):
-    """A tiny LLaMA with EOS likely enough that documents end at many lengths."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    """test_distillation's tiny LLaMA with EOS likely enough that documents end at many lengths."""
+    model = tiny_llama()
     with torch.no_grad():
         model.lm_head.weight[eos] *= 0
         model.lm_head.weight[eos] += model.model.norm.weight.sign() * 0.3
