@@ -22,6 +22,12 @@ from foxlm.errors import FoxlmError
 GATE_INITS = ("open", "decay-spread")
 SLOW_PAIRS = ("drop", "clamp", "interpolate", "compress")
 SLOWER_SLOW_PAIRS = ("interpolate", "compress")  # the two that --interpolate-to sets
+POSITION_MAPPED_SLOW_PAIRS = ("clamp", "compress")  # the two that --slow-pairs-start sets
+SLOW_PAIRS_START_HELP = ("with the slow pairs clamped or compressed, the position up to which they turn as in the "
+                         "original, instead of partial RoPE's cut (compressed, CONTEXT / POSITION times slower past "
+                         "it): --partial-rope 4096 --slow-pairs-start 8192 on an 8k original compresses the pairs of "
+                         "wavelength 4k-8k too, past 8k only, so that within 8k the converted model still computes "
+                         "what the original does")
 DEFAULT_GATE_INIT = "decay-spread"
 DEFAULT_GATE_BIAS = 5.0
 DEFAULT_DECAY_TIMES = (2.0, 512.0)
@@ -117,7 +123,8 @@ def run_convert_llama(args):
         raise FoxlmError(str(error)) from error
     output_dir = convert_llama_to_fox(
         args.source, args.output_dir, keep_rope=args.keep_rope, partial_rope=args.partial_rope,
-        slow_pairs=args.slow_pairs, interpolate_to=args.interpolate_to, dtype=args.dtype,
+        slow_pairs=args.slow_pairs, interpolate_to=args.interpolate_to, slow_pairs_start=args.slow_pairs_start,
+        dtype=args.dtype,
         max_shard_size=args.max_shard_size, force=args.force, gate_init=args.gate_init, gate_bias=args.gate_bias,
         decay_times=tuple(args.decay_times), token_shift=args.token_shift, output_gate=args.output_gate,
         logn_scaling=args.logn_scaling, **transfer,
@@ -209,6 +216,8 @@ def add_convert_commands(commands):
     llama.add_argument("--interpolate-to", type=positive_float, default=None, metavar="CONTEXT",
                        help="with --slow-pairs interpolate or compress, the context the model is meant for, in tokens "
                             "(above TOKENS): the slow pairs turn CONTEXT / TOKENS times slower")
+    llama.add_argument("--slow-pairs-start", type=positive_float, default=None, metavar="POSITION",
+                       help=SLOW_PAIRS_START_HELP)
     llama.add_argument("--gate-init", choices=GATE_INITS, default=DEFAULT_GATE_INIT,
                        help="how the new forget gates start (weights are zero either way): decay-spread gives the "
                             "heads of each layer decay times log-spaced over --decay-times; open gives every head "

@@ -15,6 +15,8 @@ ATTENTION_BACKENDS = ("auto", "triton", "reference")
 # `rope_slow_pairs_factor`.
 SLOW_PAIRS = ("drop", "clamp", "interpolate", "compress")
 SLOWER_SLOW_PAIRS = ("interpolate", "compress")
+# The slow-pair settings that keep RoPE's frequencies and move the slow pairs' positions instead.
+POSITION_MAPPED_SLOW_PAIRS = ("clamp", "compress")
 
 
 @strict
@@ -63,7 +65,13 @@ class FoxConfig(PreTrainedConfig):
         rope_slow_pairs_factor (`float`, *optional*):
             With `rope_slow_pairs="interpolate"` or `"compress"`, how many times slower the slow pairs turn (above
             1; with `"compress"` past `rope_max_wavelength` only): the context the model is meant for over
-            `rope_max_wavelength`.
+            `rope_max_wavelength` (or `rope_slow_pairs_start`).
+        rope_slow_pairs_start (`float`, *optional*):
+            With `rope_slow_pairs="clamp"` or `"compress"`, the position up to which the slow pairs turn as in the
+            original (then stop or turn slower), when it is not `rope_max_wavelength`: with a cut below the source's
+            context and this at the context, the pairs whose wavelength lies between (SmolLM2's 5.8k for a 4k cut
+            of 8k) join the slow pairs past the context only, and within it the model computes what the original
+            does.
         logn_scaling_context (`int`, *optional*):
             Log-n attention scaling past this many tokens (Qwen's `use_logn_attn`): the query at position p (from 0,
             within its document) is multiplied by `max(1, log(p + 1) / log(logn_scaling_context))`, so that its
@@ -158,6 +166,7 @@ class FoxConfig(PreTrainedConfig):
     rope_max_wavelength: int | float | None = None
     rope_slow_pairs: str = "drop"
     rope_slow_pairs_factor: int | float | None = None
+    rope_slow_pairs_start: int | float | None = None
     logn_scaling_context: int | None = None
     qk_norm: bool = False
     qk_norm_eps: int | float = 1e-5
@@ -259,6 +268,13 @@ class FoxConfig(PreTrainedConfig):
         if self.rope_slow_pairs not in SLOWER_SLOW_PAIRS and factor is not None:
             raise ValueError(f"`rope_slow_pairs_factor` is for `rope_slow_pairs='interpolate'` or 'compress', not "
                              f"{self.rope_slow_pairs!r}.")
+        start = self.rope_slow_pairs_start
+        if start is not None and self.rope_slow_pairs not in POSITION_MAPPED_SLOW_PAIRS:
+            raise ValueError(f"`rope_slow_pairs_start` is for `rope_slow_pairs='clamp'` or 'compress', not "
+                             f"{self.rope_slow_pairs!r}.")
+        if start is not None and (isinstance(start, bool) or not (
+                isinstance(start, (int, float)) and 0 < start < math.inf)):
+            raise ValueError(f"`rope_slow_pairs_start` must be a positive number of tokens, got {start!r}.")
         if self.rope_slow_pairs != "drop" and self.rope_max_wavelength is None:
             raise ValueError("`rope_slow_pairs` says what partial RoPE does with the pairs slower than "
                              "`rope_max_wavelength`: it needs `rope_max_wavelength`.")

@@ -36,7 +36,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from foxlm.cli import SLOW_PAIRS, SLOWER_SLOW_PAIRS
+from foxlm.cli import POSITION_MAPPED_SLOW_PAIRS, SLOW_PAIRS, SLOW_PAIRS_START_HELP, SLOWER_SLOW_PAIRS
 from foxlm.data import COPY_SPAN_LENGTHS, EVAL_PERCENT
 
 LORA_LR, FULL_LR = 3e-3, 3e-4  # benchmarks/NOTES_finetune.md: how they were chosen
@@ -173,6 +173,8 @@ def build_parser(prog=None):
                           help="with the slow pairs compressed or interpolated, the context the model is meant for, in "
                                "tokens (default: --context): they turn CONTEXT / cut times slower (past the cut when "
                                "compressed); given alone, it compresses them")
+    transfer.add_argument("--slow-pairs-start", type=float, default=None, metavar="POSITION",
+                          help=SLOW_PAIRS_START_HELP)
     transfer.add_argument("--gate-bias", type=float, default=None, metavar="B",
                           help="with RoPE kept, whole or in part: every forget gate starts at f = sigmoid(B), a "
                                "decay time of about e^B tokens; higher forgets far tokens more slowly (default: "
@@ -314,7 +316,8 @@ def check_args(parser, args):
     for name in ("transfer_steps", "transfer_qk_rank", "teacher_samples", "copy_spans"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
-    for name in ("transfer_lr", "lr", "max_minutes", "partial_rope", "interpolate_to"):  # --partial-rope: True passes
+    positive = ("transfer_lr", "lr", "max_minutes", "partial_rope", "interpolate_to", "slow_pairs_start")
+    for name in positive:  # --partial-rope: True passes
         value = getattr(args, name)
         if value is not None and not (value > 0 and math.isfinite(value)):
             parser.error(f"--{name.replace('_', '-')} must be a positive number, got {value}")
@@ -333,6 +336,10 @@ def check_args(parser, args):
     if args.interpolate_to is not None and (not args.partial_rope or args.slow_pairs in ("clamp", "drop")):
         parser.error("--interpolate-to says how much slower the slow pairs of --partial-rope turn with --slow-pairs "
                      "compress or interpolate; it does not go with "
+                     + (f"--slow-pairs {args.slow_pairs}" if args.partial_rope else "--drop-rope or --keep-rope"))
+    if args.slow_pairs_start is not None and (not args.partial_rope or args.slow_pairs in ("drop", "interpolate")):
+        parser.error("--slow-pairs-start says where the compressed or clamped slow pairs of --partial-rope leave the "
+                     "original's rotation; it does not go with "
                      + (f"--slow-pairs {args.slow_pairs}" if args.partial_rope else "--drop-rope or --keep-rope"))
     if not (args.kl_weight >= 0 and math.isfinite(args.kl_weight)):
         parser.error(f"--kl-weight must be 0 or a positive number, got {args.kl_weight}")
@@ -601,7 +608,7 @@ OPTIONS_FILE = "training_options.json"
 TRAINING_OPTIONS = ("model", "text_files", "dataset", "text_column", "train_domains", "group_related",
                     "copy_spans", "teacher_samples", "seed",
                     "sample_temperature", "sample_length", "partial_rope", "drop_rope", "keep_rope", "slow_pairs",
-                    "interpolate_to", "gate_bias", "token_shift", "output_gate", "logn_scaling",
+                    "interpolate_to", "slow_pairs_start", "gate_bias", "token_shift", "output_gate", "logn_scaling",
                     "transfer_steps", "transfer_qk_rank", "transfer_lr", "transfer_length", "transfer_batch_size",
                     "context", "steps", "tokens_per_step", "micro_batch_size",
                     "context_parallel", "processes", "full", "lora_r", "lora_modules", "lr", "warmup_steps",
@@ -629,6 +636,7 @@ def training_options(args, processes):
               "sample_length": not args.teacher_samples, "teacher_context": not args.kl_weight,
               "gate_bias": args.drop_rope, "slow_pairs": not args.partial_rope,
               "interpolate_to": args.slow_pairs not in SLOWER_SLOW_PAIRS,
+              "slow_pairs_start": args.slow_pairs not in POSITION_MAPPED_SLOW_PAIRS,
               "group_related": bool(args.text_files or args.dataset),
               **dict.fromkeys(("transfer_qk_rank", "transfer_lr", "transfer_length", "transfer_batch_size"),
                               not args.transfer_steps)}
@@ -661,6 +669,8 @@ def recorded_options(run_dir):
         options["slow_pairs"] = "drop"
     if options.get("slow_pairs") in SLOWER_SLOW_PAIRS and "interpolate_to" not in options:
         options["interpolate_to"] = options.get("context")  # recorded before --interpolate-to: --context
+    if options.get("slow_pairs") in POSITION_MAPPED_SLOW_PAIRS and "slow_pairs_start" not in options:
+        options["slow_pairs_start"] = None  # recorded before --slow-pairs-start: the cut
     if "train_domains" in options and "group_related" not in options:  # recorded before --group-related: shuffled
         options["group_related"] = False
     if "context" in options and "copy_spans" not in options:  # recorded before --copy-spans: none
@@ -767,7 +777,7 @@ def resolve_slow_pairs(args, source_config):
     from foxlm.conversion.llama import partial_rope_cut
 
     if args.partial_rope and args.slow_pairs is None:
-        reaches_past = args.context > partial_rope_cut(source_config, args.partial_rope)
+        reaches_past = args.context > (args.slow_pairs_start or partial_rope_cut(source_config, args.partial_rope))
         args.slow_pairs = "compress" if reaches_past or args.interpolate_to is not None else "clamp"
     if args.slow_pairs in SLOWER_SLOW_PAIRS and args.interpolate_to is None:
         args.interpolate_to = args.context
@@ -783,6 +793,8 @@ def rope_options(args):
     slow_pairs = {"slow_pairs": args.slow_pairs} if args.partial_rope else {}
     if args.slow_pairs in SLOWER_SLOW_PAIRS:
         slow_pairs["interpolate_to"] = args.interpolate_to
+    if args.slow_pairs_start is not None:
+        slow_pairs["slow_pairs_start"] = args.slow_pairs_start
     return dict(partial_rope=args.partial_rope, keep_rope=args.keep_rope, gate_init="open", gate_bias=args.gate_bias,
                 **slow_pairs)
 

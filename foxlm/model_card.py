@@ -113,10 +113,12 @@ def rope_change(config):
     if config.rope_max_wavelength:
         setting = f"`rope_max_wavelength={config.rope_max_wavelength:g}` tokens" + (
             f', `rope_slow_pairs="{config.rope_slow_pairs}"`' if config.rope_slow_pairs != "drop" else "") + (
-            f", `rope_slow_pairs_factor={config.rope_slow_pairs_factor:g}`" if config.rope_slow_pairs_factor else "")
-        slow = ("rotate as in the source up to that position and stop there," if config.rope_slow_pairs == "clamp" else
+            f", `rope_slow_pairs_factor={config.rope_slow_pairs_factor:g}`" if config.rope_slow_pairs_factor else ""
+        ) + (f", `rope_slow_pairs_start={config.rope_slow_pairs_start:g}`" if config.rope_slow_pairs_start else "")
+        position = f"position {config.rope_slow_pairs_start:g}" if config.rope_slow_pairs_start else "that position"
+        slow = (f"rotate as in the source up to {position} and stop there," if config.rope_slow_pairs == "clamp" else
                 "are dropped" if config.rope_slow_pairs == "drop" else
-                f"turn {config.rope_slow_pairs_factor:g} times slower than in the source past that position,"
+                f"turn {config.rope_slow_pairs_factor:g} times slower than in the source past {position},"
                 if config.rope_slow_pairs == "compress" else
                 f"turn {config.rope_slow_pairs_factor:g} times slower than in the source,")
         return (f"Partial RoPE ({setting}): the channel pairs whose wavelength is shorter keep their rotation, the "
@@ -139,8 +141,11 @@ def conversion_card(*, name, kind, source, config, dtype, tokenizer_saved, verif
                 " --keep-rope" if config.use_rope else "")
         if config.rope_max_wavelength and config.rope_slow_pairs != "clamp":
             rope += f" --slow-pairs {config.rope_slow_pairs}"
+        start = config.rope_slow_pairs_start or config.rope_max_wavelength
         if config.rope_slow_pairs_factor:
-            rope += f" --interpolate-to {config.rope_max_wavelength * config.rope_slow_pairs_factor:g}"
+            rope += f" --interpolate-to {start * config.rope_slow_pairs_factor:g}"
+        if config.rope_slow_pairs_start:
+            rope += f" --slow-pairs-start {start:g}"
         command = (f"foxlm convert llama {source} {name} {gate}" + rope
                    + (" --token-shift" if config.use_k_shift else "")
                    + (" --output-gate" if config.use_output_gate else "")

@@ -29,7 +29,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .cache_fox import FOX_CACHE_LAYERS, FoxStaticCacheLayer
 from .compat import CACHE_ARG, accepts_legacy_cache_arg, cache_kwargs, check_forward_kwargs
-from .configuration_fox import FoxConfig
+from .configuration_fox import POSITION_MAPPED_SLOW_PAIRS, FoxConfig
 from .context_parallel import ContextParallel
 from .kernels.acp import DEFAULT_PRUNE_EPS, acp_threshold, cached_score_bound, qk_norm_score_bound
 from .kernels.attention.attention import forgetting_attention, packed_sequence_lengths
@@ -421,16 +421,12 @@ class FoxDecoderLayer(GradientCheckpointingLayer):
         return residual + hidden_states
 
 
-# The slow-pair settings that keep RoPE's frequencies and move the slow pairs' positions instead.
-POSITION_MAPPED_SLOW_PAIRS = ("clamp", "compress")
-
-
 class FoxRotaryEmbedding(LlamaRotaryEmbedding):
     """LLaMA's RoPE, with `config.rope_max_wavelength` (partial RoPE): the channel pairs whose wavelength is that long
     or longer get frequency 0, so cos = 1 and sin = 0 leave them unrotated; with `config.rope_slow_pairs="clamp"` they
-    keep their frequency and rotate with positions capped at `rope_max_wavelength` instead, with `"interpolate"` they
-    turn `config.rope_slow_pairs_factor` times slower, with `"compress"` that many times slower past
-    `rope_max_wavelength` only."""
+    keep their frequency and rotate with positions capped at `rope_max_wavelength` (or `rope_slow_pairs_start`)
+    instead, with `"interpolate"` they turn `config.rope_slow_pairs_factor` times slower, with `"compress"` that many
+    times slower past that position only."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -459,11 +455,11 @@ class FoxRotaryEmbedding(LlamaRotaryEmbedding):
     def forward(self, x, position_ids):
         if self.config.rope_max_wavelength is None or self.config.rope_slow_pairs not in POSITION_MAPPED_SLOW_PAIRS:
             return super().forward(x, position_ids)
-        cut = self.config.rope_max_wavelength
+        start = self.config.rope_slow_pairs_start or self.config.rope_max_wavelength
         positions = position_ids[:, :, None].float()  # (batch, tokens, 1) against (pairs,)
-        slow_positions = positions.clamp(max=cut)
+        slow_positions = positions.clamp(max=start)
         if self.config.rope_slow_pairs == "compress":
-            slow_positions = slow_positions + (positions - cut).clamp(min=0) / self.config.rope_slow_pairs_factor
+            slow_positions = slow_positions + (positions - start).clamp(min=0) / self.config.rope_slow_pairs_factor
         positions = torch.where(self.slow_pairs(self.inv_freq), slow_positions, positions)
         angles = positions * self.inv_freq.float()
         angles = torch.cat((angles, angles), dim=-1)

@@ -44,7 +44,7 @@ def test_the_convert_defaults_are_the_converters():
     from foxlm.conversion import llama
 
     for name in ("GATE_INITS", "DEFAULT_GATE_INIT", "DEFAULT_GATE_BIAS", "DEFAULT_DECAY_TIMES", "SLOW_PAIRS",
-                 "SLOWER_SLOW_PAIRS"):
+                 "SLOWER_SLOW_PAIRS", "POSITION_MAPPED_SLOW_PAIRS"):
         assert getattr(cli, name) == getattr(llama, name), name
 
 

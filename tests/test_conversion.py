@@ -170,6 +170,43 @@ def test_compressed_slow_pairs_turn_as_the_source_up_to_the_cut_and_slower_past_
     assert (config["rope_slow_pairs"], config["rope_slow_pairs_factor"]) == ("compress", 8)
 
 
+def test_slow_pairs_start_past_the_cut_keeps_the_source_up_to_it_and_compresses_the_pairs_between(tmp_path):
+    # The cut at 50 makes pair 1 (wavelength 63) slow too; starting at 100, it still turns as the source's up to 100.
+    llama = save_tiny(tmp_path / "llama", max_position_embeddings=100, head_dim=8)
+    out = convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", dtype="fp32", partial_rope=50,
+                               slow_pairs="compress", interpolate_to=400, slow_pairs_start=100, gate_init="open",
+                               gate_bias=30.0)
+    fox = FoxForCausalLM.from_pretrained(out).eval()
+    config = fox.config
+    assert (config.rope_max_wavelength, config.rope_slow_pairs_start, config.rope_slow_pairs_factor) == (50, 100, 4)
+    card = (out / "README.md").read_text()
+    assert "--partial-rope 50 --slow-pairs compress --interpolate-to 400 --slow-pairs-start 100" in card
+    assert "4 times slower than in the source past position 100" in card
+    fox_logits = assert_the_source_up_to_the_cut_only(fox, llama, cut=100)
+    positions = torch.arange(100, 500, 4)[None]
+    cos, sin = fox.model.rotary_emb(fox_logits, positions)
+    cos_llama, sin_llama = llama.model.rotary_emb(fox_logits, 100 + (positions - 100) // 4)
+    slow, fast = [1, 2, 3, 5, 6, 7], [0, 4]
+    torch.testing.assert_close(cos[..., slow], cos_llama[..., slow])
+    torch.testing.assert_close(sin[..., slow], sin_llama[..., slow])
+    torch.testing.assert_close(cos[..., fast], llama.model.rotary_emb(fox_logits, positions)[0][..., fast])
+    # Clamped (the command line's default) from 100: the source's logits up to 100 too.
+    main(["convert", "llama", str(tmp_path / "llama"), str(tmp_path / "cli"), "--partial-rope", "50",
+          "--slow-pairs-start", "100", "--gate-init", "open", "--gate-bias", "30", "--dtype", "fp32"])
+    clamped = FoxForCausalLM.from_pretrained(tmp_path / "cli").eval()
+    assert (clamped.config.rope_slow_pairs, clamped.config.rope_slow_pairs_start) == ("clamp", 100)
+    assert_the_source_up_to_the_cut_only(clamped, llama, cut=100)
+    for options, message in ((dict(slow_pairs="interpolate", interpolate_to=400), "slow_pairs 'clamp' or 'compress'"),
+                             (dict(slow_pairs="drop"), "slow_pairs 'clamp' or 'compress'"),
+                             (dict(slow_pairs="compress", interpolate_to=100), r"above slow_pairs_start \(100\)")):
+        with pytest.raises(ConversionError, match=message):
+            convert_llama_to_fox(tmp_path / "llama", tmp_path / "bad", partial_rope=50, slow_pairs_start=100,
+                                 **options)
+    with pytest.raises(ConversionError, match="positive number of tokens"):
+        convert_llama_to_fox(tmp_path / "llama", tmp_path / "bad", partial_rope=50, slow_pairs_start=-1)
+    assert not (tmp_path / "bad").exists()
+
+
 def test_interpolated_slow_pairs_turn_as_far_over_the_new_context_as_the_source_did_over_its_own(tmp_path):
     llama = save_tiny(tmp_path / "llama", max_position_embeddings=100, head_dim=8)
     out = convert_llama_to_fox(tmp_path / "llama", tmp_path / "fox", dtype="fp32", partial_rope=True,

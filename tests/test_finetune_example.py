@@ -289,6 +289,13 @@ def test_partial_rope_with_slow_pairs_compressed_past_the_original_context_by_de
     assert (config["rope_slow_pairs"], config["rope_slow_pairs_factor"]) == ("compress", 4)
     options = json.loads((root / "meant-for-512" / "training_options.json").read_text())["options"]
     assert (options["slow_pairs"], options["interpolate_to"]) == ("compress", 512)
+    # --slow-pairs-start: the cut at 64 makes more pairs slow; they turn as in the original up to 128 all the same.
+    foxlm(["finetune", *finetune_args(root, "start-128", "--partial-rope", "64", "--slow-pairs-start", "128",
+                                      "--context", "256", "--steps", "1", "--skip-eval", "--teacher-samples", "0")])
+    config = json.loads((root / "start-128" / "fine-tuned" / "config.json").read_text())
+    assert (config["rope_max_wavelength"], config["rope_slow_pairs_start"], config["rope_slow_pairs_factor"]) == (
+        64, 128, 2)
+    assert json.loads((root / "start-128" / "training_options.json").read_text())["options"]["slow_pairs_start"] == 128
     # --gate-bias sets the gates' start with RoPE kept, and is recorded.
     foxlm(["finetune", *finetune_args(root, "gate-bias", "--keep-rope", "--gate-bias", "10", "--steps", "1",
                                       "--skip-eval", "--teacher-samples", "0")])
@@ -327,6 +334,9 @@ def test_bad_arguments_are_named_before_any_training(llama_and_corpus, capsys):
     with pytest.raises(SystemExit):
         foxlm(["finetune", *finetune_args(root, "keep-dropped", "--keep-rope", "--slow-pairs", "drop")])
     assert "--slow-pairs says what --partial-rope does" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        foxlm(["finetune", *finetune_args(root, "start-dropped", "--slow-pairs", "drop", "--slow-pairs-start", "256")])
+    assert "--slow-pairs-start says where" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         foxlm(["finetune", *finetune_args(root, "inf-gates", "--gate-bias", "inf")])
     assert "--gate-bias must be a finite number, got inf" in capsys.readouterr().err

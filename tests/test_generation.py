@@ -29,6 +29,8 @@ ROPE = {"no-rope": {}, "partial-rope": dict(use_rope=True, rope_max_wavelength=5
                                         rope_slow_pairs_factor=4.0),
         "compressed-slow-pairs": dict(use_rope=True, rope_max_wavelength=6.0, rope_slow_pairs="compress",
                                       rope_slow_pairs_factor=4.0),
+        "compressed-slow-pairs-from-8": dict(use_rope=True, rope_max_wavelength=4.0, rope_slow_pairs="compress",
+                                             rope_slow_pairs_factor=4.0, rope_slow_pairs_start=8.0),
         "compressed-slow-pairs-logn-scaling": dict(use_rope=True, rope_max_wavelength=6.0, rope_slow_pairs="compress",
                                                    rope_slow_pairs_factor=4.0, logn_scaling_context=4, acp_eps=None)}
 

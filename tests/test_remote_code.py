@@ -55,9 +55,9 @@ def tokenize_without_foxlm(folder, text, tmp_path):
                                   dict(use_rope=True, rope_max_wavelength=4.0, rope_slow_pairs="interpolate",
                                        rope_slow_pairs_factor=4.0),
                                   dict(use_rope=True, rope_max_wavelength=4.0, rope_slow_pairs="compress",
-                                       rope_slow_pairs_factor=4.0)],
+                                       rope_slow_pairs_factor=4.0, rope_slow_pairs_start=6.0)],
                          ids=["no-rope", "partial-rope", "clamped-slow-pairs", "interpolated-slow-pairs",
-                              "compressed-slow-pairs"])
+                              "compressed-slow-pairs-from-6"])
 def test_saved_folder_loads_as_remote_code_without_foxlm(make_model, tmp_path, rope):
     model = make_model(**rope)
     model.save_pretrained(tmp_path / "model")

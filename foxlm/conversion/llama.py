@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedConfig
 
-from ..configuration_fox import SLOW_PAIRS, SLOWER_SLOW_PAIRS, FoxConfig
+from ..configuration_fox import POSITION_MAPPED_SLOW_PAIRS, SLOW_PAIRS, SLOWER_SLOW_PAIRS, FoxConfig
 from ..model_card import conversion_card
 from ..modeling_fox import FoxForCausalLM, fgate_bias_init_values
 from ..outputs import check_target, staged_folder
@@ -123,14 +123,15 @@ def partial_rope_cut(config, partial_rope):
 
 
 def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_pairs=None, interpolate_to=None,
-                          gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS, decay_times=DEFAULT_DECAY_TIMES,
-                          token_shift=False, output_gate=False, logn_scaling=False):
+                          slow_pairs_start=None, gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS,
+                          decay_times=DEFAULT_DECAY_TIMES, token_shift=False, output_gate=False, logn_scaling=False):
     """A FoxConfig with the source's sizes, a data-dependent forget gate, with `keep_rope` its RoPE, with
     `partial_rope` its RoPE on the channel pairs whose wavelength is shorter than `partial_rope` tokens only (True: the
     source's context, `max_position_embeddings`; the slower pairs rotated up to that position only, or with
     `slow_pairs="drop"` unrotated, or with `slow_pairs="interpolate"` turning slower, as far over `interpolate_to`
     tokens as they did over the cut, or with `slow_pairs="compress"` that many times slower past the cut only:
-    `FoxConfig.rope_slow_pairs`), with `token_shift` a key and value token shift (FoX
+    `FoxConfig.rope_slow_pairs`; clamped or compressed from `slow_pairs_start` instead of the cut when given,
+    `FoxConfig.rope_slow_pairs_start`), with `token_shift` a key and value token shift (FoX
     Pro's) that starts near no shift, with `output_gate` FoX Pro's output gate (`fox_from_llama` makes it start as
     no gate), and with `logn_scaling` log-n attention scaling past the source's context
     (`FoxConfig.logn_scaling_context`)."""
@@ -147,16 +148,25 @@ def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_p
         raise ConversionError("slow_pairs says what partial RoPE does with the pairs slower than its cut: it needs "
                               "partial_rope.")
     cut = partial_rope_cut(config, partial_rope)
+    if slow_pairs_start is not None and (not partial_rope or slow_pairs not in (None, *POSITION_MAPPED_SLOW_PAIRS)):
+        raise ConversionError("slow_pairs_start is where partial RoPE's clamped or compressed slow pairs leave the "
+                              f"source's angles: it needs partial_rope and slow_pairs 'clamp' or 'compress', got "
+                              f"partial_rope={partial_rope!r}, slow_pairs={slow_pairs!r}.")
+    if slow_pairs_start is not None and (isinstance(slow_pairs_start, bool) or not (
+            isinstance(slow_pairs_start, (int, float)) and 0 < slow_pairs_start < math.inf)):
+        raise ConversionError(f"slow_pairs_start must be a positive number of tokens, got {slow_pairs_start!r}.")
+    start = cut if slow_pairs_start is None else float(slow_pairs_start)
     if (slow_pairs in SLOWER_SLOW_PAIRS) != (interpolate_to is not None):
         raise ConversionError("slow_pairs='interpolate' or 'compress' and interpolate_to, the context to stretch the "
                               "slow pairs' rotation over, go together (on the command line: --slow-pairs interpolate "
                               "or compress and --interpolate-to CONTEXT go together); got "
                               f"slow_pairs={slow_pairs!r}, interpolate_to={interpolate_to!r}.")
     if interpolate_to is not None and (isinstance(interpolate_to, bool) or not (
-            isinstance(interpolate_to, (int, float)) and cut < interpolate_to < math.inf)):
+            isinstance(interpolate_to, (int, float)) and start < interpolate_to < math.inf)):
+        where = "partial RoPE's cut" if start == cut else "slow_pairs_start"
         raise ConversionError(f"interpolate_to, the context the model is meant for (`foxlm finetune`: "
                               f"--interpolate-to, by default --context), "
-                              f"must be a number of tokens above partial RoPE's cut ({cut:g}), got {interpolate_to!r}.")
+                              f"must be a number of tokens above {where} ({start:g}), got {interpolate_to!r}.")
     fields = {name: getattr(config, name) for name in COPIED_FIELDS if getattr(config, name, None) is not None}
     fields["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     # Qwen2 always has q/k/v biases (its config has no flag); FoX's flag also gives o_proj a bias, which starts at 0.
@@ -178,7 +188,9 @@ def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_p
         fields["rope_max_wavelength"] = cut
         fields["rope_slow_pairs"] = slow_pairs or "clamp"
         if interpolate_to is not None:
-            fields["rope_slow_pairs_factor"] = interpolate_to / cut
+            fields["rope_slow_pairs_factor"] = interpolate_to / start
+        if slow_pairs_start is not None:
+            fields["rope_slow_pairs_start"] = start
     return FoxConfig(fgate_type="data_dependent", **fields)
 
 
@@ -230,7 +242,7 @@ def fox_from_llama(model, **options):
 
 
 def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=False, slow_pairs=None,
-                         interpolate_to=None, dtype="auto",
+                         interpolate_to=None, slow_pairs_start=None, dtype="auto",
                          max_shard_size="5GB", force=False, gate_init=DEFAULT_GATE_INIT, gate_bias=DEFAULT_GATE_BIAS,
                          decay_times=DEFAULT_DECAY_TIMES, token_shift=False, output_gate=False, logn_scaling=False,
                          transfer_steps=0,
@@ -242,7 +254,8 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=Fa
     shorter than `partial_rope` tokens only (True: the source's context; docs/retrofit.md, "Partial RoPE"), the
     slower pairs rotated with positions capped at the cut (`slow_pairs="clamp"`, the default), unrotated
     (`slow_pairs="drop"`), turning `interpolate_to` / cut times slower (`slow_pairs="interpolate"`) or that many
-    times slower past the cut only (`slow_pairs="compress"`).
+    times slower past the cut only (`slow_pairs="compress"`); clamped or compressed from `slow_pairs_start` instead
+    of the cut when it is given.
     With `token_shift` the FoX model gets FoX Pro's key and value token shift, starting near no shift; it gives back
     some of the position information RoPE carried (the previous token's key and value), and the transfer trains it.
     With `output_gate` it gets FoX Pro's output gate, starting as no gate (`fox_from_llama`), also trained by the
@@ -265,7 +278,7 @@ def convert_llama_to_fox(source, output_dir, *, keep_rope=False, partial_rope=Fa
                               f"got transfer_steps={transfer_steps} and transfer_data={type(transfer_data).__name__}.")
     source_config = load_source_config(source)
     options = dict(keep_rope=keep_rope, partial_rope=partial_rope, slow_pairs=slow_pairs,
-                   interpolate_to=interpolate_to, gate_init=gate_init,
+                   interpolate_to=interpolate_to, slow_pairs_start=slow_pairs_start, gate_init=gate_init,
                    gate_bias=gate_bias, decay_times=decay_times, token_shift=token_shift, output_gate=output_gate,
                    logn_scaling=logn_scaling)
     fox_config_from_llama(source_config, **options)  # validate the options before loading any weights
