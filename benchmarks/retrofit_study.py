@@ -213,13 +213,15 @@ def band_change(bands, label, reference, band):
 def table(runs):
     """Markdown: one row per recipe, loss change vs the original below its context per domain, top-1 agreement,
     prose's worst band below the original's context against the original's, prose's worst band beyond it against
-    its last band inside and against the original run over a sliding window of its context, needle accuracy; then,
+    its last band inside and against the original and the fine-tuned model run over a sliding window of the
+    original's context (what the far tokens cost or gain), needle accuracy; then,
     for recipes run with several seeds (`seed_groups`), a row of each number's range over the seeds."""
     domains = sorted({d for run in runs.values() for d in run["summary"].get("vs_original", {})})
     header = (["recipe", "steps (seconds each), peak memory"] + [f"{d}: loss vs original" for d in domains]
               + [f"{d}: top-1 agreement" for d in domains]
               + ["prose: worst band below the original's context", "prose: worst band past the original's context",
-                 "prose past it: worst band vs the original in a sliding window", "needle",
+                 "prose past it: worst band vs the original in a sliding window",
+                 "prose past it: worst band vs the fine-tuned model in a sliding window", "needle",
                  "sampled from the original"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, run in runs.items():
@@ -264,9 +266,10 @@ def headline_numbers(summary, domains):
     changes = [band_change(loss, finetune.FINE_TUNED, finetune.ORIGINAL, band) for band in inside]
     numbers.append((max((change for change in changes if change is not None), default=None), "{:+.1%}"))
     numbers.append((max(beyond) - prose[inside[-1]] if inside and beyond else None, "{:+.3f} nats"))
-    past = [band_change(loss, finetune.FINE_TUNED, finetune.ORIGINAL_WINDOWED, band) for band in prose
-            if within and int(band.split("-")[0]) >= within]
-    numbers.append((max((change for change in past if change is not None), default=None), "{:+.1%}"))
+    for reference in (finetune.ORIGINAL_WINDOWED, finetune.FINE_TUNED_WINDOWED):
+        past = [band_change(loss, finetune.FINE_TUNED, reference, band) for band in prose
+                if within and int(band.split("-")[0]) >= within]
+        numbers.append((max((change for change in past if change is not None), default=None), "{:+.1%}"))
     return numbers
 
 

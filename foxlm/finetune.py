@@ -911,7 +911,8 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
 
 ORIGINAL, CONVERTED, FINE_TUNED = "original (RoPE)", "converted, before fine-tuning", "converted, fine-tuned"
 # The original run over a sliding window of its trained context: what it gives past that context without breaking.
-ORIGINAL_WINDOWED = "original, sliding window"
+# The fine-tuned model too: what the tokens past that context gain from reaching further back than it.
+ORIGINAL_WINDOWED, FINE_TUNED_WINDOWED = "original, sliding window", "converted, fine-tuned, sliding window"
 
 
 def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, context):
@@ -925,9 +926,13 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
     on_gpu = torch.cuda.is_available()
     dtype, device = (torch.bfloat16, "cuda") if on_gpu else (torch.float32, "cpu")
     models = {} if args.skip_original else {ORIGINAL: source}
-    windows = {ORIGINAL_WINDOWED: context} if models and context and args.eval_length > context else {}
+    windowed = bool(context and args.eval_length > context)
+    windows = {ORIGINAL_WINDOWED: context} if models and windowed else {}
     models.update({label: source for label in windows})
     models.update({CONVERTED: converted_dir, FINE_TUNED: fine_tuned_dir})
+    if windowed:
+        windows[FINE_TUNED_WINDOWED] = context
+        models[FINE_TUNED_WINDOWED] = fine_tuned_dir
     reference = None if args.skip_original else ORIGINAL
     results = evaluate_models(models, held_out, args.eval_length, reference=reference, dtype=dtype, device=device,
                               windows=windows)
@@ -947,6 +952,13 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
                                                              "top1_agreement": agreement}
             print(f"{domain}: fine-tuned vs original at positions < {within}: loss {fine_tuned / original - 1:+.1%}, "
                   f"top-1 agreement {agreement:.1%}")
+    if windowed:
+        for domain, result in results.items():
+            whole, own_window = (np.nanmean(result["loss"][label][context:]) for label in (FINE_TUNED,
+                                                                                              FINE_TUNED_WINDOWED))
+            summary.setdefault("vs_own_window", {})[domain] = {"loss_change": whole / own_window - 1}
+            print(f"{domain}: fine-tuned at positions >= {context}, its whole context vs a sliding window of "
+                  f"{context}: loss {whole / own_window - 1:+.1%}")
     if args.needle:
         tests = needle(args, {} if args.skip_original else {ORIGINAL: source}, fine_tuned_dir, held_out, run_dir,
                        dtype, device, context)

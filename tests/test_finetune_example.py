@@ -20,7 +20,8 @@ from foxlm.cli import main as foxlm
 from foxlm.distillation import DistillationTrainer
 from foxlm.data import split_files, text_files
 
-LABELS = {"original (RoPE)", "original, sliding window", "converted, before fine-tuning", "converted, fine-tuned"}
+LABELS = {"original (RoPE)", "original, sliding window", "converted, before fine-tuning", "converted, fine-tuned",
+          "converted, fine-tuned, sliding window"}
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +61,20 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
                               for label in ("original (RoPE)", "original, sliding window"))
         np.testing.assert_allclose(windowed[:127], original[:127], rtol=1e-5)
         assert not np.allclose(windowed[128:], original[128:], rtol=1e-7, atol=0)
+        # So is the fine-tuned model, to show what positions past 128 gain from reaching further back.
+        fine_tuned, windowed = (np.array(domain["per_token_loss"][label], dtype=float)
+                                for label in ("converted, fine-tuned", "converted, fine-tuned, sliding window"))
+        np.testing.assert_allclose(windowed[:127], fine_tuned[:127], rtol=1e-4)
+        assert not np.allclose(windowed[128:], fine_tuned[128:], rtol=1e-7, atol=0)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["within_original_context"] == 128 and summary["training"]["steps"] == 3
     assert set(summary["vs_original"]) == {"held-out", "prose"}
     assert all(0 <= v["top1_agreement"] <= 1 for v in summary["vs_original"].values())
+    for domain, change in summary["vs_own_window"].items():
+        bands = result["domains"][domain]["per_token_loss"]
+        whole, own = (np.nanmean(np.array(bands[label][128:], dtype=float))
+                      for label in ("converted, fine-tuned", "converted, fine-tuned, sliding window"))
+        assert change["loss_change"] == pytest.approx(whole / own - 1)
     assert list(summary["needle"]) == ["prose", "held-out"]  # a test per haystack, in the order asked
     assert all(set(models) == {"original (RoPE)", "converted, fine-tuned"} for models in summary["needle"].values())
     needle = json.loads((run / "needle.json").read_text())

@@ -121,16 +121,18 @@ def test_the_table_gives_prose_worst_bands_inside_and_past_the_originals_context
                "vs_original": {"prose": {"loss_change": 0.03, "top1_agreement": 0.71}},
                "domains": {"prose": {"loss": {"original (RoPE)": dict(zip(edges, [3.5, 3.2, 3.2, 3.2, 4.6])),
                                                "original, sliding window": dict(zip(edges, [3.5, 3.2, 3.2, 3.2, 3.2])),
-                                               "converted, fine-tuned": dict(zip(edges, [3.5, 3.36, 3.2, 3.3, 3.4]))}}}}
+                                               "converted, fine-tuned": dict(zip(edges, [3.5, 3.36, 3.2, 3.3, 3.4])),
+                                               "converted, fine-tuned, sliding window":
+                                                   dict(zip(edges, [3.5, 3.36, 3.2, 3.3, 3.5]))}}}}
     row = retrofit_study.table({"r": {"summary": summary}}).splitlines()[-1].split(" | ")
-    # 3.36 / 3.2; 3.4 - 3.3; 3.4 / 3.2
-    assert row[1:7] == ["10 (1.50 s)", "+3.0%", "71.0%", "+5.0%", "+0.100 nats", "+6.2%"]
-    assert row[7] == "-"  # no needle test
+    # 3.36 / 3.2; 3.4 - 3.3; 3.4 / 3.2; 3.4 / 3.5
+    assert row[1:8] == ["10 (1.50 s)", "+3.0%", "71.0%", "+5.0%", "+0.100 nats", "+6.2%", "-2.9%"]
+    assert row[8] == "-"  # no needle test
     summary["needle"] = {"prose": {"converted, fine-tuned": {"2048": 1.0, "16384": 0.25}}}
-    assert retrofit_study.table({"r": {"summary": summary}}).splitlines()[-1].split(" | ")[7] == "2k 100%, 16k 25%"
+    assert retrofit_study.table({"r": {"summary": summary}}).splitlines()[-1].split(" | ")[8] == "2k 100%, 16k 25%"
     summary["needle"]["docs"] = {"converted, fine-tuned": {"2048": 0.5}}  # haystacks named when there are several
     row = retrofit_study.table({"r": {"summary": summary}}).splitlines()[-1].split(" | ")
-    assert row[7] == "prose: 2k 100%, 16k 25%; docs: 2k 50%"
+    assert row[8] == "prose: 2k 100%, 16k 25%; docs: 2k 50%"
     # The same recipe with other seeds: a last row with each number's range over them; other recipes stay out of it.
     again = {**summary, "vs_original": {"prose": {"loss_change": 0.01, "top1_agreement": 0.75}},
              "needle": {"prose": {"converted, fine-tuned": {"2048": 0.5, "16384": 0.75}}}}
@@ -139,8 +141,8 @@ def test_the_table_gives_prose_worst_bands_inside_and_past_the_originals_context
     assert len(lines) == 2 + 3 + 1
     spread = lines[-1].split(" | ")
     assert spread[0] == "| default, seed-1: range over seeds"
-    assert spread[2:8] == ["+1.0% to +3.0%", "71.0% to 75.0%", "+5.0% to +5.0%", "+0.100 nats to +0.100 nats",
-                           "+6.2% to +6.2%", "2k 50%-100%, 16k 25%-75%"]
+    assert spread[2:9] == ["+1.0% to +3.0%", "71.0% to 75.0%", "+5.0% to +5.0%", "+0.100 nats to +0.100 nats",
+                           "+6.2% to +6.2%", "-2.9% to -2.9%", "2k 50%-100%, 16k 25%-75%"]
 
 
 @pytest.mark.parametrize("gpus", ["cuda:0", "0,,1"])
