@@ -56,6 +56,8 @@ def test_logits_to_keep_inputs_embeds_and_hidden_states(make_model):
 # With RoPE or log-n scaling, each sequence's positions (and so the clamp of the slow pairs, the queries' scale) count
 # from its own first token.
 ROPE = {"no-rope": {}, "clamped-slow-pairs": dict(use_rope=True, rope_max_wavelength=4.0, rope_slow_pairs="clamp"),
+        "compressed-slow-pairs-from-6": dict(use_rope=True, rope_max_wavelength=4.0, rope_slow_pairs="compress",
+                                             rope_slow_pairs_factor=4.0, rope_slow_pairs_start=6.0),
         "logn-scaling": dict(logn_scaling_context=3, acp_eps=None)}
 
 

@@ -18,6 +18,9 @@ VARIANTS = {
     "acp_without_qk_norm": dict(acp_eps=1e-4, qk_norm=False),  # the cache tracks key norms
     "eviction": dict(decode_kv_eviction=True),
     "logn_scaling": dict(logn_scaling_context=4, acp_eps=None),  # a step's query scale from its position
+    # a step's rotation from its position: the slow pairs of the cut at 2 compressed past position 6
+    "slow_pairs_start": dict(use_rope=True, rope_max_wavelength=2.0, rope_slow_pairs="compress",
+                             rope_slow_pairs_factor=4.0, rope_slow_pairs_start=6.0),
 }
 
 
