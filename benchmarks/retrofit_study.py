@@ -77,6 +77,8 @@ RECIPES = {
     # above moved the needle at 16k-32k and cost agreement within 8k; these separate the two).
     "slow-pairs-from-4k": ["--partial-rope", "4096", "--slow-pairs-start", "8192"],
     "slow-pairs-from-2k": ["--partial-rope", "2048", "--slow-pairs-start", "8192"],
+    "slow-pairs-from-4k-seed-1": ["--partial-rope", "4096", "--slow-pairs-start", "8192", "--seed", "1"],
+    "slow-pairs-from-2k-seed-1": ["--partial-rope", "2048", "--slow-pairs-start", "8192", "--seed", "1"],
     "keep-rope": ["--keep-rope"],
     # Clamped slow pairs (they rotate up to the original's context and stop there) were the default from 2026-11-28
     # (evening: the study's "clamp-slow-pairs" recipe then) to 2026-11-30; "drop-slow-pairs" leaves them unrotated,
