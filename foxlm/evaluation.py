@@ -326,10 +326,11 @@ def write_per_token_loss_report(curves, count, json_path, png_path, train_contex
 def format_bands(bands, value_format="{:.3f}"):
     """The band means as a text table, one row per model."""
     header = next(iter(bands.values()))
-    lines = [f"{'model':<34}" + "".join(f"{band:>13}" for band in header)]
+    width = max(34, *(len(label) + 1 for label in bands))
+    lines = [f"{'model':<{width}}" + "".join(f"{band:>13}" for band in header)]
     for label, row in bands.items():
-        lines.append(f"{label:<34}" + "".join(f"{'-' if v is None else value_format.format(v):>13}"
-                                             for v in row.values()))
+        lines.append(f"{label:<{width}}" + "".join(f"{'-' if v is None else value_format.format(v):>13}"
+                                                   for v in row.values()))
     return "\n".join(lines)
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from foxlm.evaluation import last_hidden_states, loss_and_predictions
+from foxlm.evaluation import format_bands, last_hidden_states, loss_and_predictions
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +44,12 @@ def test_loss_with_a_window_at_least_the_document_is_the_loss_without(llama):
     assert not np.allclose(shorter[10:], loss[10:], rtol=1e-3)
     with pytest.raises(ValueError, match="window must be at least 2 tokens, got 1"):
         loss_and_predictions(llama, documents, 30, window=1)
+
+
+def test_band_table_columns_line_up_whatever_the_labels_length():
+    bands = {"original (RoPE)": {"0-512": 3.5, "512-2048": 3.25},
+             "converted, fine-tuned, sliding window": {"0-512": 3.75, "512-2048": None}}
+    lines = format_bands(bands).splitlines()
+    assert len({len(line) for line in lines}) == 1  # every row as wide as the header
+    assert lines[1].endswith("3.500        3.250") and lines[2].endswith("3.750            -")
+    assert lines[2].startswith("converted, fine-tuned, sliding window ")
