@@ -225,9 +225,10 @@ def evaluate_models(models, documents, max_length, reference=None, dtype=None, d
     `reference`, from the same forward passes.
 
     `models`: {label: a loaded model, or a folder / Hub id / .gguf file, loaded one at a time with `dtype` and
-    `device`}; `documents`: {domain: token id lists}; `reference`: the label of the model (the original) whose
-    top-1 predictions the others' are compared with, or None; `windows`: {label: tokens} for models run over a
-    sliding window of that many tokens (`last_hidden_states`), e.g. the original within its trained context.
+    `device`, once for labels in turn with the same source}; `documents`: {domain: token id lists}; `reference`: the
+    label of the model (the original) whose top-1 predictions the others' are compared with, or None; `windows`:
+    {label: tokens} for models run over a sliding window of that many tokens (`last_hidden_states`), e.g. the
+    original within its trained context.
 
     Returns {domain: {"loss": {label: L(i)}, "agreement": {label: A(i)} (models other than the reference),
     "count": documents per position}}; see `loss_and_predictions` and `top1_agreement`.
@@ -236,11 +237,13 @@ def evaluate_models(models, documents, max_length, reference=None, dtype=None, d
         raise ValueError(f"reference {reference!r} is none of the models ({', '.join(models)})")
     results = {domain: {"loss": {}, "agreement": {}, "count": None} for domain in documents}
     reference_predictions = {}
-    for label in sorted(models, key=lambda label: label != reference):  # the reference's predictions come first
+    order = sorted(models, key=lambda label: label != reference)  # the reference's predictions come first
+    model = None
+    for label, following in zip(order, [*order[1:], None]):
         source = models[label]
         if isinstance(source, torch.nn.Module):
             model = source
-        else:
+        elif model is None:  # a label with the previous one's source (run over a window) reuses its loaded model
             model, _ = load_causal_lm(source, dtype=dtype, device=device, with_tokenizer=False)
         for domain, docs in documents.items():
             desc = label if domain is None else f"{label}: {domain}"
@@ -251,9 +254,10 @@ def evaluate_models(models, documents, max_length, reference=None, dtype=None, d
                 reference_predictions[domain] = predictions
             elif reference is not None:
                 results[domain]["agreement"][label] = top1_agreement(predictions, reference_predictions[domain])
-        del model
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if following is None or models[following] != source:
+            model = None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     for result in results.values():  # in the order of `models`
         result["loss"] = {label: result["loss"][label] for label in models}
     return results

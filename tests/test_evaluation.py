@@ -3,7 +3,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from foxlm.evaluation import format_bands, last_hidden_states, loss_and_predictions
+from foxlm import evaluation
+from foxlm.evaluation import evaluate_models, format_bands, last_hidden_states, loss_and_predictions
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +54,16 @@ def test_band_table_columns_line_up_whatever_the_labels_length():
     assert len({len(line) for line in lines}) == 1  # every row as wide as the header
     assert lines[1].endswith("3.500        3.250") and lines[2].endswith("3.750            -")
     assert lines[2].startswith("converted, fine-tuned, sliding window ")
+
+
+def test_labels_sharing_a_source_in_turn_load_it_once(llama, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(evaluation, "load_causal_lm", lambda source, **kwargs: (loaded.append(source) or llama, None))
+    documents = {"d": [torch.randint(0, 97, (30,)).tolist()]}
+    models = {"a": "model-a", "a, window": "model-a", "b": "model-b"}
+    results = evaluate_models(models, documents, 30, reference="a", windows={"a, window": 10})
+    assert loaded == ["model-a", "model-b"]
+    whole, windowed = (results["d"]["loss"][label] for label in ("a", "a, window"))
+    np.testing.assert_allclose(windowed[:9], whole[:9], rtol=1e-5)  # the same model, run whole and over a window
+    assert not np.allclose(windowed[10:], whole[10:], rtol=1e-3)
+
