@@ -90,6 +90,9 @@ RECIPES = {
     # pairs, 2026-11-30: not the default).
     "gate-bias-9": ["--gate-bias", "9"],
     "gate-bias-10": ["--gate-bias", "10"],
+    # The other way (a decay time of about 400 tokens): prose far past 8k rose more the more open the gates started,
+    # so do gates that start more closed leave fewer far prose keys sharing the attention, and keep the needle?
+    "gate-bias-6": ["--gate-bias", "6"],
     "kl-30": ["--kl-weight", "30"],
     "clamp-slow-pairs-kl-30": ["--slow-pairs", "clamp", "--kl-weight", "30"],
     # Blocks of 32k with a higher KL weight (the KL covers a quarter of a 32k block's positions, half of a 16k one's),
