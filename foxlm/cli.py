@@ -315,6 +315,7 @@ def run_per_token_loss(args):
 
     from transformers import AutoTokenizer
 
+    from foxlm.benchmarks.run_record import new_record
     from foxlm.conversion.llama import resolve_source
     from foxlm.evaluation import evaluate_models, format_report, write_evaluation_report
 
@@ -342,7 +343,9 @@ def run_per_token_loss(args):
     results = evaluate_models(models, documents, args.max_length, reference=reference, windows=windows,
                               dtype=torch.bfloat16 if on_gpu else torch.float32, device="cuda" if on_gpu else "cpu")
     report = write_evaluation_report(results, json_path, png_path, train_context=args.train_context,
-                                     min_documents=args.min_documents, reference=reference, data=args.data)
+                                     min_documents=args.min_documents, reference=reference, data=args.data,
+                                     models={label: str(source) for label, source in zip(labels, args.models)},
+                                     run=new_record())
     counts = ", ".join(f"{data} {len(docs)}" for data, docs in documents.items())
     print(f"documents: {counts} (bands average the positions that at least {args.min_documents} reach)\n\n"
           f"{format_report(report, reference)}\n\nwrote {json_path} and {png_path}")
@@ -352,6 +355,7 @@ def run_needle(args):
     """Easy-mode needle-in-a-haystack over context lengths and depths, to JSON and a PNG heatmap."""
     import torch
 
+    from foxlm.benchmarks.run_record import new_record
     from foxlm.data import DOMAIN_ALIASES, DOMAINS
     from foxlm.evaluation import NEEDLE_BATCH_TOKENS, NEEDLE_DEPTHS, accuracy_by_distance_text, held_out_haystacks
     from foxlm.evaluation import load_causal_lm
@@ -380,7 +384,7 @@ def run_needle(args):
     scores, answers = needle_over_haystacks(model, tokenizer, haystacks, args.context_lengths, args.depths,
                                             batch_tokens=args.batch_tokens or NEEDLE_BATCH_TOKENS)
     summary = needle_summary(scores, args.context_lengths, args.depths, answers)
-    write_json({"model": str(args.model), "data": args.data, **summary}, json_path)
+    write_json({"model": str(args.model), "data": args.data, "run": new_record(), **summary}, json_path)
     plot_needle({args.data: {str(args.model): summary}}, png_path, title=f"Needle in a haystack: {args.model}")
     by_context = ", ".join(f"{c}: {a:.2f}" for c, a in summary["accuracy_by_context"].items())
     print(f"accuracy {scores.mean():.2f} over {scores.size} trials in {args.haystacks} haystack"

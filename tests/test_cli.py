@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
 
 import foxlm
 from foxlm.benchmarks import BENCHMARKS
@@ -95,6 +96,9 @@ def test_eval_per_token_loss_compares_models_and_matches_the_library_function(sa
     result = json.loads((out / "per_token_loss.json").read_text())
     assert (out / "per_token_loss.png").read_bytes()[:4] == b"\x89PNG"
     assert result["reference"] == "fox" and list(result["domains"]) == [data]  # the first model is the reference
+    # What was compared, and on what: the models by label, the device and the software.
+    assert result["models"] == {"fox": str(saved_models / "fox"), "llama": str(saved_models / "llama")}
+    assert result["run"]["device"] == "cpu" and result["run"]["transformers"] == transformers.__version__
     domain = result["domains"][data]
     assert set(domain["per_token_loss"]) == {"llama", "fox"} and domain["documents"] == 3
     assert list(domain["bands"]["fox"]) == ["0-100", "100-200"] and list(domain["agreement_bands"]) == ["llama"]
@@ -146,6 +150,7 @@ def test_eval_needle_writes_a_score_grid_and_heatmap(saved_models):
     # Needles 0, 400 and 800 tokens before the question: two distance bands, 3 trials and 1.
     assert {band: r["trials"] for band, r in result["accuracy_by_distance"].items()} == {"0-512": 3, "512-1024": 1}
     assert np.array(result["answers"]).shape == (2, 2)  # what the model generated in each trial
+    assert result["run"]["device"] == "cpu" and result["run"]["torch"] == torch.__version__
     assert (out / "needle.png").read_bytes()[:4] == b"\x89PNG"
 
 
