@@ -357,7 +357,8 @@ def run_needle(args):
 
     from foxlm.benchmarks.run_record import new_record
     from foxlm.data import DOMAIN_ALIASES, DOMAINS
-    from foxlm.evaluation import NEEDLE_BATCH_TOKENS, NEEDLE_DEPTHS, accuracy_by_distance_text, held_out_haystacks
+    from foxlm.evaluation import NEEDLE_BATCH_TOKENS, NEEDLE_DEPTHS, accuracy_by_context_text
+    from foxlm.evaluation import accuracy_by_distance_text, held_out_haystacks
     from foxlm.evaluation import load_causal_lm
     from foxlm.evaluation import needle_over_haystacks, needle_summary, plot_needle, write_json
 
@@ -386,7 +387,7 @@ def run_needle(args):
     summary = needle_summary(scores, args.context_lengths, args.depths, answers)
     write_json({"model": str(args.model), "data": args.data, "run": new_record(), **summary}, json_path)
     plot_needle({args.data: {str(args.model): summary}}, png_path, title=f"Needle in a haystack: {args.model}")
-    by_context = ", ".join(f"{c}: {a:.2f}" for c, a in summary["accuracy_by_context"].items())
+    by_context = accuracy_by_context_text(summary["accuracy_by_context"], ": ", summary.get("interval_by_context"))
     print(f"accuracy {scores.mean():.2f} over {scores.size} trials in {args.haystacks} haystack"
           f"{'s' if args.haystacks > 1 else ''} (by context length: {by_context}; by tokens between the needle and "
           f"the question: {accuracy_by_distance_text(summary['accuracy_by_distance'], ': ')}); wrote {json_path} "

@@ -357,6 +357,8 @@ NEEDLE_DEPTHS = tuple(i / 10 for i in range(11))
 # Prompt tokens a batch of needle trials holds (4 prompts of 32k, 64 of 2k): a token budget bounds the batch's KV
 # cache and activations whatever the length, and the ~20 decoding steps of a trial are shared by the batch.
 NEEDLE_BATCH_TOKENS = 2**17
+# Haystack resamples behind the accuracy intervals of several haystacks (`haystack_intervals`).
+NEEDLE_INTERVAL_RESAMPLES = 2000
 
 
 def needle_in_a_haystack(model, tokenizer, haystack_ids, context_lengths, depths, device=None, with_answers=False,
@@ -452,9 +454,25 @@ def needle_summary(scores, context_lengths, depths, answers=None, distance_withi
         summary["distance_within"] = distance_within
     if scores.ndim == 3:
         summary.update(haystacks=len(scores), scores_by_haystack=scores.tolist())
+        if len(scores) >= 3:
+            summary["interval_by_context"] = haystack_intervals(scores, context_lengths)
     if answers is not None:
         summary["answers_by_haystack" if scores.ndim == 3 else "answers"] = answers
     return summary
+
+
+def haystack_intervals(scores, context_lengths, level=0.95, resamples=NEEDLE_INTERVAL_RESAMPLES):
+    """Where the accuracy at each context length would fall with other haystacks of the same text: the central
+    `level` of a bootstrap over haystacks, {"length": [low, high]} from scores of shape (haystacks, depths, lengths).
+    Haystacks are resampled, not trials: the trials of one haystack share its text and pass or fail together more
+    than trials of different ones. Seeded, so a result file always carries the same interval for the same scores.
+    It does not cover a rerun's other rounding on a GPU, nor another training seed."""
+    per_haystack = np.asarray(scores, dtype=float).mean(axis=1)  # (haystacks, lengths)
+    picks = np.random.default_rng(0).integers(0, len(per_haystack), (resamples, len(per_haystack)))
+    means = per_haystack[picks].mean(axis=1)  # (resamples, lengths)
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail], axis=0)
+    return {str(c): [float(low[i]), float(high[i])] for i, c in enumerate(context_lengths)}
 
 
 def accuracy_by_distance(scores, context_lengths, depths):
@@ -474,9 +492,12 @@ def accuracy_by_distance(scores, context_lengths, depths):
             for i in np.unique(band).tolist()}
 
 
-def accuracy_by_context_text(accuracy_by_context, separator=" "):
-    """`needle_summary`'s accuracy_by_context in a line: "2k 100%, 4k 55%, ..." (lengths under 1k as they are)."""
-    return ", ".join(f"{short_tokens(int(c))}{separator}{a:.0%}" for c, a in accuracy_by_context.items())
+def accuracy_by_context_text(accuracy_by_context, separator=" ", intervals=None):
+    """`needle_summary`'s accuracy_by_context in a line: "2k 100%, 4k 55%, ..." (lengths under 1k as they are), with
+    its interval_by_context when given: "4k 55% (41-68%)"."""
+    def interval(c):
+        return f" ({intervals[c][0] * 100:.0f}-{intervals[c][1]:.0%})" if intervals else ""
+    return ", ".join(f"{short_tokens(int(c))}{separator}{a:.0%}{interval(c)}" for c, a in accuracy_by_context.items())
 
 
 def accuracy_by_distance_text(accuracy_by_distance, separator=" "):

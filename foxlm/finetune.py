@@ -1021,7 +1021,8 @@ def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device, or
     for domain, models in results.items():
         for label, result in models.items():
             print(f"needle in a haystack ({domain}{several}), {label}: "
-                  f"{accuracy_by_context_text(result['accuracy_by_context'], ': ')}; by tokens between the needle "
+                  f"{accuracy_by_context_text(result['accuracy_by_context'], ': ', result.get('interval_by_context'))}"
+                  f"; by tokens between the needle "
                   f"and the question: {accuracy_by_distance_text(result['accuracy_by_distance'], ': ')}")
     print(f"needle plot: {png}")
     return results

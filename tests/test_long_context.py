@@ -25,13 +25,16 @@ from foxlm.data import (
 )
 from foxlm.evaluation import (
     NEEDLE_ANSWER,
+    NEEDLE_DEPTHS,
     NEEDLE_QUESTION,
+    accuracy_by_context_text,
     accuracy_by_distance,
     accuracy_by_distance_text,
     band_edges,
     band_means,
     evaluate_models,
     format_report,
+    haystack_intervals,
     held_out_haystacks,
     needle_haystack,
     needle_in_a_haystack,
@@ -352,9 +355,33 @@ def test_the_needle_in_several_haystacks_keeps_each_and_scores_the_fraction_pass
     assert summary["accuracy_by_context"] == {"2048": pytest.approx(5 / 6), "4096": pytest.approx(1 / 3)}
     assert summary["scores_by_haystack"] == grid.tolist() and summary["answers_by_haystack"] == [cells] * 3
     assert "answers" not in summary and json.loads(json.dumps(summary)) == summary
+    # Each haystack's accuracy at 2k is 1, 1/2, 1 and at 4k 1/2, 0, 1/2: resampled, the means stay within those.
+    (low_2k, high_2k), (low_4k, high_4k) = summary["interval_by_context"].values()
+    assert 0.5 <= low_2k <= 5 / 6 <= high_2k == 1.0 and 0.0 <= low_4k <= 1 / 3 <= high_4k == 0.5
     # One haystack's summary is the plain one.
     assert needle_summary(grid[:1], [2048, 4096], [0.0, 1.0], [cells]) == needle_summary(grid[0], [2048, 4096],
                                                                                          [0.0, 1.0], cells)
+
+
+def test_needle_intervals_resample_haystacks():
+    rng = np.random.default_rng(1)
+    scores = (rng.random((30, 11, 2)) < [0.2, 0.7]).astype(float)  # 30 haystacks, 11 depths, two lengths
+    intervals = haystack_intervals(scores, [2048, 4096])
+    assert intervals == haystack_intervals(scores, [2048, 4096])  # seeded: the same scores, the same interval
+    narrow = haystack_intervals(scores, [2048, 4096], level=0.5)
+    for length, accuracy in zip(["2048", "4096"], scores.mean(axis=(0, 1)), strict=True):
+        low, high = intervals[length]
+        assert low < narrow[length][0] <= accuracy <= narrow[length][1] < high
+        assert high - low < 0.2  # 330 trials a length
+    # Haystacks alike leave nothing to resample; two haystacks give no interval.
+    same = np.repeat(scores[:1], 5, axis=0)
+    assert haystack_intervals(same, [2048, 4096]) == {
+        length: [accuracy, accuracy] for length, accuracy in zip(["2048", "4096"], same[0].mean(axis=0).tolist())}
+    assert "interval_by_context" not in needle_summary(scores[:2], [2048, 4096], NEEDLE_DEPTHS)
+    summary = needle_summary(scores, [2048, 4096], NEEDLE_DEPTHS)
+    text = accuracy_by_context_text(summary["accuracy_by_context"], " ", summary["interval_by_context"])
+    low, high = summary["interval_by_context"]["4096"]
+    assert text.endswith(f"4k {summary['accuracy_by_context']['4096']:.0%} ({low * 100:.0f}-{high:.0%})")
 
 
 def test_several_needle_haystacks_come_from_other_parts_of_held_out_prose():
