@@ -27,6 +27,7 @@ training sequence, so the context can exceed what one GPU holds; rank 0 alone sa
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -909,15 +910,32 @@ def fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, con
     processes.once(lambda: save_fine_tuning(run_dir, trainable, tokenizer, trainer, args))
 
 
+@contextlib.contextmanager
+def timed(seconds, stage):
+    """Add the seconds the block takes to `seconds[stage]`: summary.json's "seconds" and the run's last line say
+    where its time went (loading, sampling, conversion, fine-tuning, evaluation, needle)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - started
+
+
+def stage_times_text(seconds):
+    """`timed`'s stages in a line: "loading 31 s, conversion 9 s, ..."."""
+    return ", ".join(f"{stage} {value:.0f} s" for stage, value in seconds.items())
+
+
 ORIGINAL, CONVERTED, FINE_TUNED = "original (RoPE)", "converted, before fine-tuning", "converted, fine-tuned"
 # The original run over a sliding window of its trained context: what it gives past that context without breaking.
 # The fine-tuned model too: what the tokens past that context gain from reaching further back than it.
 ORIGINAL_WINDOWED, FINE_TUNED_WINDOWED = "original, sliding window", "converted, fine-tuned, sliding window"
 
 
-def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, context):
+def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, context, seconds):
     """Per-token loss and top-1 agreement with the original on every held-out domain, and the needle test; written
-    to DIR/evaluation.json and .png, DIR/needle.json and .png, and the headline numbers to DIR/summary.json."""
+    to DIR/evaluation.json and .png, DIR/needle.json and .png, and the headline numbers to DIR/summary.json, with
+    `seconds` (`timed`: the run's stages so far) and the evaluation's own."""
     import numpy as np
     import torch
 
@@ -934,8 +952,9 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
         windows[FINE_TUNED_WINDOWED] = context
         models[FINE_TUNED_WINDOWED] = fine_tuned_dir
     reference = None if args.skip_original else ORIGINAL
-    results = evaluate_models(models, held_out, args.eval_length, reference=reference, dtype=dtype, device=device,
-                              windows=windows)
+    with timed(seconds, "evaluation"):
+        results = evaluate_models(models, held_out, args.eval_length, reference=reference, dtype=dtype,
+                                  device=device, windows=windows)
     png = run_dir / "evaluation.png"
     report = write_evaluation_report(results, run_dir / "evaluation.json", png, train_context=args.context,
                                      original_context=context, min_documents=args.min_documents, reference=reference,
@@ -960,8 +979,9 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
             print(f"{domain}: fine-tuned at positions >= {context}, its whole context vs a sliding window of "
                   f"{context}: loss {whole / own_window - 1:+.1%}")
     if args.needle:
-        tests = needle(args, {} if args.skip_original else {ORIGINAL: source}, fine_tuned_dir, held_out, run_dir,
-                       dtype, device, context)
+        with timed(seconds, "needle"):
+            tests = needle(args, {} if args.skip_original else {ORIGINAL: source}, fine_tuned_dir, held_out,
+                           run_dir, dtype, device, context)
         summary["needle"] = summary["needle_by_distance"] = None  # the test was skipped: text too short
         if tests:
             summary["needle"] = {domain: {label: result["accuracy_by_context"] for label, result in models.items()}
@@ -981,8 +1001,9 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
                                "seconds": next((e["train_runtime"] for e in log if "train_runtime" in e), None),
                                "peak_memory_gib": next((e["peak_memory_gib"] for e in log if "peak_memory_gib" in e),
                                                        None)}
+    summary["seconds"] = seconds
     write_json(summary, run_dir / "summary.json")
-    print(f"plot: {png}")
+    print(f"time by stage: {stage_times_text(seconds)}\nplot: {png}")
 
 
 def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device, original_context=None):
@@ -1040,46 +1061,53 @@ def main(argv=None, prog=None):
     source = args.model or str(smollm2_gguf_path())
     processes = Processes(args)
     name_or_path, kwargs = resolve_source(source)
-    source_config, tokenizer = processes.first_on_rank_zero(lambda: (
-        AutoConfig.from_pretrained(name_or_path, **kwargs), AutoTokenizer.from_pretrained(name_or_path, **kwargs)))
-    processes.check_heads(source_config)
-    resolve_slow_pairs(args, source_config)  # before the options are recorded
-    processes.once(lambda: start_run(args, run_dir, source, processes), share=False)
-    converted_dir, fine_tuned_dir = run_dir / "converted", run_dir / "fine-tuned"
-    if args.eval_only:
-        missing = [str(d) for d in (converted_dir, fine_tuned_dir) if not (d / "config.json").exists()]
-        if missing:
-            sys.exit(f"error: --eval-only: no saved model in {', '.join(missing)}; run without --eval-only first")
-    context = source_context(source_config, args)
-    try:
-        load = lambda: load_documents(args, tokenizer)  # noqa: E731
-        train_docs, held_out = processes.first_on_rank_zero(load) if args.dataset else load()
-    except (FileNotFoundError, ValueError) as error:  # a corpus not installed, an unknown domain
-        sys.exit(f"error: {error}")
-    # Long sequences by packing: files in order, EOS between them, cut into blocks (foxlm.data explains why).
-    if not args.skip_eval:
-        held_out = {domain: evenly_spaced(blocks_of(docs, args.eval_length, "--eval-length", f"held-out {domain} "),
-                                          args.eval_docs) for domain, docs in held_out.items()}
+    seconds = {}  # what each stage took (`timed`)
+    with timed(seconds, "loading"):
+        source_config, tokenizer = processes.first_on_rank_zero(lambda: (
+            AutoConfig.from_pretrained(name_or_path, **kwargs), AutoTokenizer.from_pretrained(name_or_path, **kwargs)))
+        processes.check_heads(source_config)
+        resolve_slow_pairs(args, source_config)  # before the options are recorded
+        processes.once(lambda: start_run(args, run_dir, source, processes), share=False)
+        converted_dir, fine_tuned_dir = run_dir / "converted", run_dir / "fine-tuned"
+        if args.eval_only:
+            missing = [str(d) for d in (converted_dir, fine_tuned_dir) if not (d / "config.json").exists()]
+            if missing:
+                sys.exit(f"error: --eval-only: no saved model in {', '.join(missing)}; run without --eval-only first")
+        context = source_context(source_config, args)
+        try:
+            load = lambda: load_documents(args, tokenizer)  # noqa: E731
+            train_docs, held_out = processes.first_on_rank_zero(load) if args.dataset else load()
+        except (FileNotFoundError, ValueError) as error:  # a corpus not installed, an unknown domain
+            sys.exit(f"error: {error}")
+        # Long sequences by packing: files in order, EOS between them, cut into blocks (foxlm.data explains why).
+        if not args.skip_eval:
+            held_out = {domain: evenly_spaced(blocks_of(docs, args.eval_length, "--eval-length",
+                                                        f"held-out {domain} "), args.eval_docs)
+                        for domain, docs in held_out.items()}
     if not args.eval_only:
         if args.teacher_samples:
-            # Rank 0 samples; the others read what it saved.
-            samples = processes.once(lambda: teacher_samples(args, source, run_dir), share=False)
-            train_docs = train_docs + (samples if processes.main else saved_samples(run_dir / SAMPLES_FILE))
-            random.Random(args.seed).shuffle(train_docs)  # both kinds in every block, and in the transfer's
-        # Decided on rank 0 alone: another rank could look after rank 0 has converted.
-        processes.once(lambda: (args.force or not converted_dir.exists())
-                       and convert(args, source, converted_dir, train_docs, context), share=False)
-        train_blocks = blocks_of(train_docs, args.context, "--context")
-        if args.copy_spans:
-            from foxlm.data import with_copied_spans
+            with timed(seconds, "teacher samples"):
+                # Rank 0 samples; the others read what it saved.
+                samples = processes.once(lambda: teacher_samples(args, source, run_dir), share=False)
+                train_docs = train_docs + (samples if processes.main else saved_samples(run_dir / SAMPLES_FILE))
+                random.Random(args.seed).shuffle(train_docs)  # both kinds in every block, and in the transfer's
+        with timed(seconds, "conversion"):
+            # Decided on rank 0 alone: another rank could look after rank 0 has converted.
+            processes.once(lambda: (args.force or not converted_dir.exists())
+                           and convert(args, source, converted_dir, train_docs, context), share=False)
+        with timed(seconds, "fine-tuning"):
+            train_blocks = blocks_of(train_docs, args.context, "--context")
+            if args.copy_spans:
+                from foxlm.data import with_copied_spans
 
-            train_blocks = with_copied_spans(train_blocks, args.copy_spans, seed=args.seed)
-        fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, context, processes)
+                train_blocks = with_copied_spans(train_blocks, args.copy_spans, seed=args.seed)
+            fine_tune(args, source, converted_dir, tokenizer, train_blocks, run_dir, context, processes)
     if not processes.end():  # evaluation is rank 0's, on one device
         return
-    if not args.skip_eval:
-        evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, context)
-
+    if args.skip_eval:
+        print(f"time by stage: {stage_times_text(seconds)}")
+    else:
+        evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, context, seconds)
 
 if __name__ == "__main__":
     main()

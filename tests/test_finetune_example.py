@@ -89,6 +89,10 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
     assert (run / "needle.png").read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == f"plot: {run / 'evaluation.png'}" and f"needle plot: {run / 'needle.png'}" in out
+    # Where the run's time went, stage by stage: in summary.json and the line before the plot's.
+    stages = ["loading", "teacher samples", "conversion", "fine-tuning", "evaluation", "needle"]
+    assert list(summary["seconds"]) == stages and all(seconds > 0 for seconds in summary["seconds"].values())
+    assert out[-2] == "time by stage: " + ", ".join(f"{s} {summary['seconds'][s]:.0f} s" for s in stages)
     assert any(line.startswith("prose: fine-tuned vs original at positions < 128: loss ") for line in out)
     assert any(line.startswith("needle in a haystack (prose), converted, fine-tuned: 512") for line in out)
     assert any(line.startswith("needle in a haystack (held-out), converted, fine-tuned: 512") for line in out)
@@ -114,7 +118,9 @@ def test_full_finetuning_and_evaluation_run_as_two_invocations_within_a_time_bud
     foxlm(["finetune", *finetune_args(root, "full", "--full", "--steps", "50", "--max-minutes", "1e-6",
                                       "--skip-eval", "--no-token-shift", "--no-output-gate", "--distill-only",
                                       "--sample-temperature", "0.7", "--drop-rope")])
-    assert "budget ended training after 1 steps" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "budget ended training after 1 steps" in out
+    assert out.strip().splitlines()[-1].startswith("time by stage: loading ")  # without evaluation, the last line
     # Every training position lies inside the original's context (128): with --distill-only the KL alone trains.
     logged = [entry for entry in json.loads((run / "train_log.json").read_text()) if "loss" in entry]
     assert logged and all(entry["ce"] == 0 and entry["kl"] > 0 for entry in logged), logged
