@@ -10,7 +10,8 @@ printed. With `--gpus 0,1,2,3` the recipes run at the same time, one per GPU (ea
 DIR/<recipe>.log; a GPU takes the next recipe when one ends), and one JSON holds them all. A GPU named twice
 (`--gpus 0,1,0,1`) runs two recipes at once. The recipes that sample from the original alike share the first one's
 samples: they start once it has saved them; samples given with `--samples-from` (another run's teacher_samples.npz)
-serve them all from the start.
+serve them all from the start. Every recipe after the first takes the original's results (loss, sliding window, top-1
+predictions, needle) from the first one's run where it saved them (`foxlm finetune --reuse-original-from`).
 """
 
 import argparse
@@ -299,6 +300,13 @@ def seed_groups(runs):
     return [names for names in groups.values() if len(names) > 1]
 
 
+def reuse_original(name, recipes, args):
+    """finetune's --reuse-original-from for every recipe but the first: the original's results on the same documents
+    are the first recipe's (evaluated again where its run has not saved them yet, or where a recipe's options change
+    the documents or the evaluation)."""
+    return [] if name == recipes[0] else ["--reuse-original-from", str(Path(args.output_dir) / recipes[0])]
+
+
 def run_recipes(recipes, args, common, save):
     """Each recipe in turn in this process; `save(runs)` after each. Samples given (--samples-from) stand for the
     first recipe's: recipes that sample otherwise sample their own."""
@@ -312,7 +320,7 @@ def run_recipes(recipes, args, common, save):
         finetune.teacher_samples = given if same_samples else own_samples
         run_dir = Path(args.output_dir) / name
         options = [*RECIPES[name], *common, "--max-minutes", str(args.minutes), "--output-dir", str(run_dir),
-                   "--force"]
+                   "--force", *reuse_original(name, recipes, args)]
         start = time.time()
         finetune.main(options, prog=f"finetune ({name})")
         runs[name] = {"options": options, "seconds": round(time.time() - start, 1),
@@ -355,7 +363,8 @@ def run_recipes_on_gpus(recipes, args, gpus, save):
             command = [sys.executable, __file__, "--recipes", name, "--minutes", str(args.minutes),
                        "--output-dir", str(output), "--results", str(output / f"{name}.result"),
                        *(["--model", args.model] if args.model else []),
-                       *(["--samples-from", str(samples)] if reuse else []), "--", *args.finetune_args]
+                       *(["--samples-from", str(samples)] if reuse else []), "--", *args.finetune_args,
+                       *reuse_original(name, recipes, args)]
             log = open(output / f"{name}.log", "w")
             print(f"{name}: GPU {gpu}, output in {log.name}"
                   + ((f", the samples in {samples}" if given else f", the samples of {sampler}") if reuse else ""))

@@ -220,7 +220,8 @@ def plot_domains(curves_by_domain, path, train_context=None, original_context=No
     return save_figure(fig, path)
 
 
-def evaluate_models(models, documents, max_length, reference=None, dtype=None, device=None, windows=None):
+def evaluate_models(models, documents, max_length, reference=None, dtype=None, device=None, windows=None,
+                    reference_predictions=None):
     """Per-token loss of several models on several domains' documents, and each model's top-1 agreement with
     `reference`, from the same forward passes.
 
@@ -228,15 +229,17 @@ def evaluate_models(models, documents, max_length, reference=None, dtype=None, d
     `device`, once for labels in turn with the same source}; `documents`: {domain: token id lists}; `reference`: the
     label of the model (the original) whose top-1 predictions the others' are compared with, or None; `windows`:
     {label: tokens} for models run over a sliding window of that many tokens (`last_hidden_states`), e.g. the
-    original within its trained context.
+    original within its trained context. `reference_predictions`: {domain: the reference's top-1 predictions} from an
+    earlier call on the same documents (its results' "predictions"), when the reference is not run again.
 
     Returns {domain: {"loss": {label: L(i)}, "agreement": {label: A(i)} (models other than the reference),
-    "count": documents per position}}; see `loss_and_predictions` and `top1_agreement`.
+    "count": documents per position, "predictions": the reference's top-1 predictions, when it ran}}; see
+    `loss_and_predictions` and `top1_agreement`.
     """
-    if reference is not None and reference not in models:
+    if reference is not None and reference not in models and reference_predictions is None:
         raise ValueError(f"reference {reference!r} is none of the models ({', '.join(models)})")
     results = {domain: {"loss": {}, "agreement": {}, "count": None} for domain in documents}
-    reference_predictions = {}
+    reference_predictions = dict(reference_predictions or {})
     order = sorted(models, key=lambda label: label != reference)  # the reference's predictions come first
     model = None
     for label, following in zip(order, [*order[1:], None]):
@@ -251,7 +254,7 @@ def evaluate_models(models, documents, max_length, reference=None, dtype=None, d
                                                             window=(windows or {}).get(label))
             results[domain]["loss"][label], results[domain]["count"] = loss, count
             if label == reference:
-                reference_predictions[domain] = predictions
+                reference_predictions[domain] = results[domain]["predictions"] = predictions
             elif reference is not None:
                 results[domain]["agreement"][label] = top1_agreement(predictions, reference_predictions[domain])
         if following is None or models[following] != source:

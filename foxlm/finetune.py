@@ -28,6 +28,8 @@ training sequence, so the context can exceed what one GPU holds; rank 0 alone sa
 
 import argparse
 import contextlib
+import functools
+import hashlib
 import json
 import math
 import os
@@ -272,6 +274,10 @@ def build_parser(prog=None):
                             help="plot and average only positions that at least this many documents reach "
                                  "(default: %(default)s)")
     evaluation.add_argument("--skip-original", action="store_true", help="do not evaluate the original model")
+    evaluation.add_argument("--reuse-original-from", default=None, metavar="DIR",
+                            help="take the original's results (per-token loss, sliding window, top-1 predictions, "
+                                 "needle) from an earlier run's DIR when it evaluated the same source on the same "
+                                 "held-out documents with the same settings; else evaluate it (default: evaluate)")
     evaluation.add_argument("--needle", action=argparse.BooleanOptionalAction, default=True,
                             help="needle-in-a-haystack (easy mode) of the original and the fine-tuned model at 2k "
                                  "and its doubles up to --eval-length (default: on)")
@@ -926,6 +932,107 @@ def stage_times_text(seconds):
     return ", ".join(f"{stage} {value:.0f} s" for stage, value in seconds.items())
 
 
+# The original's results, which every run on the same documents repeats: saved for --reuse-original-from.
+ORIGINAL_EVALUATION_FILE, ORIGINAL_NEEDLE_FILE = "original_evaluation.npz", "original_needle.json"
+
+
+@functools.lru_cache(maxsize=4)
+def source_digest(source):
+    """What identifies the original: sha256 of its .gguf file, or of a folder's config and weight files; a Hub id
+    stands for itself."""
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(f for f in path.iterdir() if f.name == "config.json" or f.suffix in (".safetensors", ".bin"))
+    elif path.is_file():
+        files = [path]
+    else:
+        return str(source)
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode())
+        with open(file, "rb") as stream:
+            for chunk in iter(lambda: stream.read(1 << 24), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def original_key(source, documents, **settings):
+    """What the original's results depend on, as a JSON string: its files, the documents' token ids ({name: lists}),
+    `settings`, and the libraries that compute them."""
+    import numpy as np
+    import torch
+    import transformers
+
+    def tokens_digest(docs):
+        digest = hashlib.sha256()
+        for doc in docs:
+            digest.update(np.asarray(doc, dtype=np.int64).tobytes() + b"|")
+        return digest.hexdigest()
+
+    return json.dumps({"source": source_digest(str(source)), "settings": settings, "torch": torch.__version__,
+                       "transformers": transformers.__version__,
+                       "documents": {str(name): tokens_digest(docs) for name, docs in documents.items()}},
+                      sort_keys=True)
+
+
+def reusable_original(args, name, key):
+    """The path of --reuse-original-from's saved `name` when its key is `key`, or None (the log says why)."""
+    import numpy as np
+
+    if not args.reuse_original_from:
+        return None
+    path = Path(args.reuse_original_from) / name
+    if not path.is_file():
+        print(f"--reuse-original-from: no {path}; the original is evaluated here")
+        return None
+    if name.endswith(".npz"):
+        with np.load(path) as saved:
+            saved_key = json.loads(str(saved["meta"]))["key"]
+    else:
+        saved_key = json.loads(path.read_text())["key"]
+    if saved_key != key:
+        print(f"--reuse-original-from: {path} holds another source, other documents or other settings; the original "
+              "is evaluated here")
+        return None
+    print(f"the original's results taken from {path}")
+    return path
+
+
+def save_original_evaluation(path, key, results):
+    """`evaluate_models`' results of the original (its labels, the reference's predictions) in an .npz file."""
+    import io
+
+    import numpy as np
+
+    from foxlm.outputs import write_file_atomic
+
+    first = next(iter(results.values()))
+    meta = {"key": key, "domains": list(results), "labels": list(first["loss"]), "agreement": list(first["agreement"])}
+    arrays = {"meta": np.array(json.dumps(meta))}
+    for i, result in enumerate(results.values()):
+        arrays[f"count_{i}"] = result["count"]
+        arrays.update({f"loss_{i}_{j}": result["loss"][label] for j, label in enumerate(meta["labels"])})
+        arrays.update({f"agreement_{i}_{j}": result["agreement"][label] for j, label in enumerate(meta["agreement"])})
+        arrays[f"predictions_{i}"] = np.concatenate(result["predictions"])
+        arrays[f"lengths_{i}"] = np.array([len(p) for p in result["predictions"]])
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    write_file_atomic(path, buffer.getvalue())
+
+
+def load_original_evaluation(path):
+    """What `save_original_evaluation` saved, as `evaluate_models` returned it."""
+    import numpy as np
+
+    with np.load(path) as saved:
+        meta = json.loads(str(saved["meta"]))
+        return {domain: {"count": saved[f"count_{i}"],
+                         "loss": {label: saved[f"loss_{i}_{j}"] for j, label in enumerate(meta["labels"])},
+                         "agreement": {label: saved[f"agreement_{i}_{j}"] for j, label in enumerate(meta["agreement"])},
+                         "predictions": np.split(saved[f"predictions_{i}"], np.cumsum(saved[f"lengths_{i}"])[:-1])}
+                for i, domain in enumerate(meta["domains"])}
+
+
 ORIGINAL, CONVERTED, FINE_TUNED = "original (RoPE)", "converted, before fine-tuning", "converted, fine-tuned"
 # The original run over a sliding window of its trained context: what it gives past that context without breaking.
 # The fine-tuned model too: what the tokens past that context gain from reaching further back than it.
@@ -943,24 +1050,36 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
 
     on_gpu = torch.cuda.is_available()
     dtype, device = (torch.bfloat16, "cuda") if on_gpu else (torch.float32, "cpu")
-    models = {} if args.skip_original else {ORIGINAL: source}
     windowed = bool(context and args.eval_length > context)
-    windows = {ORIGINAL_WINDOWED: context} if models and windowed else {}
-    models.update({label: source for label in windows})
-    models.update({CONVERTED: converted_dir, FINE_TUNED: fine_tuned_dir})
-    if windowed:
-        windows[FINE_TUNED_WINDOWED] = context
-        models[FINE_TUNED_WINDOWED] = fine_tuned_dir
+    originals = {} if args.skip_original else {ORIGINAL: source, **({ORIGINAL_WINDOWED: source} if windowed else {})}
+    retrofits = {CONVERTED: converted_dir, FINE_TUNED: fine_tuned_dir,
+                 **({FINE_TUNED_WINDOWED: fine_tuned_dir} if windowed else {})}
+    windows = {label: context for label in (ORIGINAL_WINDOWED, FINE_TUNED_WINDOWED) if windowed}
     reference = None if args.skip_original else ORIGINAL
     with timed(seconds, "evaluation"):
-        results = evaluate_models(models, held_out, args.eval_length, reference=reference, dtype=dtype,
-                                  device=device, windows=windows)
+        original_results, reused = {}, None
+        if originals:
+            key = original_key(source, held_out, eval_length=args.eval_length, window=windows.get(ORIGINAL_WINDOWED),
+                               dtype=str(dtype), device=device)
+            reused = reusable_original(args, ORIGINAL_EVALUATION_FILE, key)
+            original_results = (load_original_evaluation(reused) if reused else evaluate_models(
+                originals, held_out, args.eval_length, reference=reference, dtype=dtype, device=device,
+                windows=windows))
+            save_original_evaluation(run_dir / ORIGINAL_EVALUATION_FILE, key, original_results)
+        results = evaluate_models(retrofits, held_out, args.eval_length, reference=reference, dtype=dtype,
+                                  device=device, windows=windows, reference_predictions={
+                                      domain: result["predictions"] for domain, result in original_results.items()}
+                                  or None)
+        for domain, result in original_results.items():  # the originals first, as the report lists them
+            results[domain]["loss"] = {**result["loss"], **results[domain]["loss"]}
+            results[domain]["agreement"] = {**result["agreement"], **results[domain]["agreement"]}
     png = run_dir / "evaluation.png"
     report = write_evaluation_report(results, run_dir / "evaluation.json", png, train_context=args.context,
                                      original_context=context, min_documents=args.min_documents, reference=reference,
                                      documents={domain: len(docs) for domain, docs in held_out.items()})
     print(f"\nheld-out documents of {args.eval_length} tokens\n{format_report(report, reference)}")
-    summary = {"arguments": {k: v for k, v in vars(args).items() if k != "func"}, "domains": report}
+    summary = {"arguments": {k: v for k, v in vars(args).items() if k != "func"}, "domains": report,
+               "original_reused_from": {"evaluation": reused and str(reused)}}
     if not args.skip_original:
         within = min(context or args.eval_length, args.eval_length)
         summary["within_original_context"] = within
@@ -980,8 +1099,9 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
                   f"{context}: loss {whole / own_window - 1:+.1%}")
     if args.needle:
         with timed(seconds, "needle"):
-            tests = needle(args, {} if args.skip_original else {ORIGINAL: source}, fine_tuned_dir, held_out,
-                           run_dir, dtype, device, context)
+            tests, reused = needle(args, {} if args.skip_original else {ORIGINAL: source}, fine_tuned_dir, held_out,
+                                   run_dir, dtype, device, context)
+        summary["original_reused_from"]["needle"] = reused and str(reused)
         summary["needle"] = summary["needle_by_distance"] = None  # the test was skipped: text too short
         if tests:
             summary["needle"] = {domain: {label: result["accuracy_by_context"] for label, result in models.items()}
@@ -1008,9 +1128,10 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
 
 def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device, original_context=None):
     """Needle in a haystack of the original and the fine-tuned model, one test per haystack of --needle-haystacks:
-    {haystack: {label: `needle_summary`}} (None when the held-out text is too short), and DIR/needle.json and .png.
-    The originals' accuracy by distance pools their haystacks within `original_context` only: past it they fail
-    whatever the distance."""
+    {haystack: {label: `needle_summary`}} (None when the held-out text is too short), and DIR/needle.json and .png;
+    with the path of the original's results when --reuse-original-from gave them (None otherwise). The originals'
+    accuracy by distance pools their haystacks within `original_context` only: past it they fail whatever the
+    distance."""
     from foxlm.data import evenly_spaced
     from foxlm.evaluation import (NEEDLE_DEPTHS, accuracy_by_context_text, accuracy_by_distance_text, load_causal_lm,
                                   needle_over_haystacks, needle_summary, plot_needle, write_json)
@@ -1022,19 +1143,28 @@ def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device, or
         if len(documents) < args.needle_docs:
             print(f"needle test skipped: --needle-docs {args.needle_docs}, but the held-out {domain} text gives "
                   f"{len(documents)} documents of {args.eval_length} tokens")
-            return None
+            return None, None
     results = {domain: {} for domain in haystacks}
-    for label, source in {**originals, FINE_TUNED: fine_tuned_dir}.items():
+    key = original_key(next(iter(originals.values())), haystacks, lengths=lengths, depths=depths, dtype=str(dtype),
+                       device=device, within=original_context) if originals else None
+    reused = reusable_original(args, ORIGINAL_NEEDLE_FILE, key) if originals else None
+    if reused:
+        for domain, summary in json.loads(reused.read_text())["haystacks"].items():
+            results[domain].update(summary)
+    for label, source in {**({} if reused else originals), FINE_TUNED: fine_tuned_dir}.items():
         model, tokenizer = load_causal_lm(source, dtype=dtype, device=device)
         for domain, documents in haystacks.items():
             try:
                 scores, answers = needle_over_haystacks(model, tokenizer, documents, lengths, depths)
             except ValueError as error:
                 print(f"needle test skipped: {error}")
-                return None
+                return None, None
             within = original_context if label in originals else None
             results[domain][label] = needle_summary(scores, lengths, depths, answers, distance_within=within)
         del model
+    if originals:
+        write_json({"key": key, "haystacks": {domain: {label: models[label] for label in originals}
+                                              for domain, models in results.items()}}, run_dir / ORIGINAL_NEEDLE_FILE)
     write_json({"haystacks": {domain: {"models": models} for domain, models in results.items()}},
                run_dir / "needle.json")
     png = plot_needle(results, run_dir / "needle.png")
@@ -1046,7 +1176,7 @@ def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device, or
                   f"; by tokens between the needle "
                   f"and the question: {accuracy_by_distance_text(result['accuracy_by_distance'], ': ')}")
     print(f"needle plot: {png}")
-    return results
+    return results, reused
 
 
 def main(argv=None, prog=None):

@@ -139,6 +139,43 @@ def test_full_finetuning_and_evaluation_run_as_two_invocations_within_a_time_bud
     assert set(result["domains"]["held-out"]["bands"]) == LABELS - {"original (RoPE)", "original, sliding window"}
 
 
+def test_a_run_takes_the_originals_results_from_an_earlier_run_of_the_same_documents(llama_and_corpus, monkeypatch,
+                                                                                       capsys):
+    from foxlm import evaluation
+
+    root = llama_and_corpus
+    run = root / "reuse"
+    foxlm(["finetune", *finetune_args(root, "reuse", "--no-token-shift", "--needle-docs", "2")])
+    first = {name: json.loads((run / name).read_text()) for name in ("evaluation.json", "needle.json")}
+    sources = []
+    monkeypatch.setattr(evaluation, "load_causal_lm", lambda source, *a, load=evaluation.load_causal_lm, **k: (
+        sources.append(Path(source).name), load(source, *a, **k))[1])
+    capsys.readouterr()
+    foxlm(["finetune", *finetune_args(root, "reuse", "--eval-only", "--needle-docs", "2", "--reuse-original-from",
+                                      str(run))])
+    # The original (the folder "llama") is not loaded again; the report is the first one's to the last digit.
+    assert "llama" not in sources and sources, sources
+    for name, result in first.items():
+        again = json.loads((run / name).read_text())
+        assert again.pop("written_by") == result.pop("written_by") and again == result, name
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["original_reused_from"] == {"evaluation": str(run / "original_evaluation.npz"),
+                                               "needle": str(run / "original_needle.json")}
+    assert f"the original's results taken from {run / 'original_evaluation.npz'}" in capsys.readouterr().out
+    # Other documents (fewer), or no saved results: the original is evaluated again, and the log says why.
+    sources.clear()
+    foxlm(["finetune", *finetune_args(root, "reuse", "--eval-only", "--eval-docs", "2", "--needle-docs", "2",
+                                      "--reuse-original-from", str(run))])
+    assert sources.count("llama") == 2, sources  # once for the loss and its window, once for the needle
+    assert "holds another source, other documents or other settings; the original is evaluated here" in (
+        capsys.readouterr().out)
+    foxlm(["finetune", *finetune_args(root, "reuse", "--eval-only", "--no-needle", "--reuse-original-from",
+                                      str(root / "nowhere"))])
+    assert f"--reuse-original-from: no {root / 'nowhere' / 'original_evaluation.npz'}; the original is evaluated" in (
+        capsys.readouterr().out)
+    assert json.loads((run / "summary.json").read_text())["original_reused_from"] == {"evaluation": None}
+
+
 def test_resume_continues_from_the_last_checkpoint(llama_and_corpus):
     root = llama_and_corpus
     run = root / "resume"

@@ -39,6 +39,10 @@ def test_recipes_run_at_the_same_time_share_the_samples_and_land_in_one_record(t
     samples = [(root / "study" / name / "teacher_samples.npz").read_bytes() for name in ("default", "no-kl")]
     assert samples[0] == samples[1]
     assert "--kl-weight" in record["runs"]["no-kl"]["options"]
+    # The second recipe takes the original's results from the first's run if it saved them by then.
+    options = record["runs"]["no-kl"]["options"]
+    assert options[options.index("--reuse-original-from") + 1] == str(root / "study" / "default")
+    assert "--reuse-original-from" not in record["runs"]["default"]["options"]
     for name, run in record["runs"].items():
         assert run["summary"]["training"]["steps"] == 2
         assert (root / "study" / name / "fine-tuned" / "model.safetensors").exists()
@@ -80,8 +84,11 @@ def test_samples_given_serve_only_the_recipes_that_sample_as_the_first_one_in_on
     np.savez(given, tokens=np.concatenate(documents).astype(np.int32), lengths=np.array([3, 4]), seconds=1.0)
     samplers = {}
 
+    options_of = {}
+
     def record_sampler(options, prog):
         samplers[prog.removeprefix("finetune (").removesuffix(")")] = finetune.teacher_samples
+        options_of[prog.removeprefix("finetune (").removesuffix(")")] = options
         run_dir = Path(options[options.index("--output-dir") + 1])
         run_dir.mkdir(parents=True)
         (run_dir / "summary.json").write_text('{"domains": {}}')
@@ -92,6 +99,10 @@ def test_samples_given_serve_only_the_recipes_that_sample_as_the_first_one_in_on
     retrofit_study.run_recipes(["default", "sample-length-4k", "no-kl", "seed-1"], args, [], save=lambda runs: None)
     assert samplers["no-kl"] is samplers["default"]
     assert samplers["sample-length-4k"] is not samplers["default"] and samplers["seed-1"] is not samplers["default"]
+    # Every recipe after the first takes the original's results from the first one's run.
+    assert "--reuse-original-from" not in options_of["default"]
+    assert all(options_of[name][-2:] == ["--reuse-original-from", str(tmp_path / "study" / "default")]
+               for name in ("sample-length-4k", "no-kl", "seed-1"))
     run_dir = tmp_path / "no-kl"
     run_dir.mkdir()
     assert samplers["no-kl"](None, None, run_dir) == documents
