@@ -36,6 +36,7 @@ import os
 import random
 import sys
 import time
+import zipfile
 from datetime import timedelta
 from pathlib import Path
 
@@ -985,11 +986,15 @@ def reusable_original(args, name, key):
     if not path.is_file():
         print(f"--reuse-original-from: no {path}; the original is evaluated here")
         return None
-    if name.endswith(".npz"):
-        with np.load(path) as saved:
-            saved_key = json.loads(str(saved["meta"]))["key"]
-    else:
-        saved_key = json.loads(path.read_text())["key"]
+    try:
+        if name.endswith(".npz"):
+            with np.load(path) as saved:
+                saved_key = json.loads(str(saved["meta"]))["key"]
+        else:
+            saved_key = json.loads(path.read_text())["key"]
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:  # not a file that a run saved
+        print(f"--reuse-original-from: {path} cannot be read ({error}); the original is evaluated here")
+        return None
     if saved_key != key:
         print(f"--reuse-original-from: {path} holds another source, other documents or other settings; the original "
               "is evaluated here")

@@ -174,6 +174,11 @@ def test_a_run_takes_the_originals_results_from_an_earlier_run_of_the_same_docum
     assert f"--reuse-original-from: no {root / 'nowhere' / 'original_evaluation.npz'}; the original is evaluated" in (
         capsys.readouterr().out)
     assert json.loads((run / "summary.json").read_text())["original_reused_from"] == {"evaluation": None}
+    (root / "broken").mkdir()
+    (root / "broken" / "original_evaluation.npz").write_text("not an archive")
+    foxlm(["finetune", *finetune_args(root, "reuse", "--eval-only", "--no-needle", "--reuse-original-from",
+                                      str(root / "broken"))])
+    assert f"{root / 'broken' / 'original_evaluation.npz'} cannot be read (" in capsys.readouterr().out
 
 
 def test_resume_continues_from_the_last_checkpoint(llama_and_corpus):
