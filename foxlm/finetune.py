@@ -1071,10 +1071,9 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
                 originals, held_out, args.eval_length, reference=reference, dtype=dtype, device=device,
                 windows=windows))
             save_original_evaluation(run_dir / ORIGINAL_EVALUATION_FILE, key, original_results)
+        predictions = {domain: result["predictions"] for domain, result in original_results.items()}
         results = evaluate_models(retrofits, held_out, args.eval_length, reference=reference, dtype=dtype,
-                                  device=device, windows=windows, reference_predictions={
-                                      domain: result["predictions"] for domain, result in original_results.items()}
-                                  or None)
+                                  device=device, windows=windows, reference_predictions=predictions or None)
         for domain, result in original_results.items():  # the originals first, as the report lists them
             results[domain]["loss"] = {**result["loss"], **results[domain]["loss"]}
             results[domain]["agreement"] = {**result["agreement"], **results[domain]["agreement"]}
