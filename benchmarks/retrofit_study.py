@@ -237,7 +237,7 @@ def table(runs):
         row = [name, f"{steps} ({seconds / steps:.2f} s)" if steps and seconds else str(steps)]
         row[-1] += f", {training['peak_memory_gib']:g} GiB" if training.get("peak_memory_gib") else ""
         row += ["-" if value is None else style.format(value) for value, style in headline_numbers(summary, domains)]
-        row.append(needle_text(summary.get("needle")))
+        row.append(needle_text(summary.get("needle"), intervals=summary.get("needle_interval")))
         samples = summary.get("teacher_samples")
         row.append(f"{samples['tokens'] / 1e6:.1f}M tokens in {samples['seconds']:.0f} s" if samples else "-")
         lines.append("| " + " | ".join(row) + " |")
@@ -279,9 +279,14 @@ def headline_numbers(summary, domains):
     return numbers
 
 
-def needle_text(needle, percent=lambda accuracy: f"{accuracy:.0%}"):
-    """The fine-tuned model's needle accuracy by length, haystacks named when there are several; "-" without."""
-    haystacks = {haystack: ", ".join(f"{short_tokens(int(length))} {percent(accuracy)}"
+def needle_text(needle, percent=lambda accuracy: f"{accuracy:.0%}", intervals=None):
+    """The fine-tuned model's needle accuracy by length, with the interval over haystacks where `intervals` (summary's
+    needle_interval) has one, haystacks named when there are several; "-" without."""
+    def interval(haystack, length):
+        bounds = ((intervals or {}).get(haystack, {}).get(finetune.FINE_TUNED) or {}).get(length)
+        return f" ({bounds[0] * 100:.0f}-{bounds[1]:.0%})" if bounds else ""
+
+    haystacks = {haystack: ", ".join(f"{short_tokens(int(length))} {percent(accuracy)}{interval(haystack, length)}"
                                      for length, accuracy in models.get(finetune.FINE_TUNED, {}).items())
                  for haystack, models in (needle or {}).items()}
     return "; ".join(text if len(haystacks) == 1 else f"{haystack}: {text}"
@@ -377,7 +382,9 @@ def run_recipes_on_gpus(recipes, args, gpus, save):
             log.close()
             del running[slot]
             if process.returncode:
-                print(f"{name} failed (exit status {process.returncode}); see {log.name}")
+                ended = (f"stopped by signal {-process.returncode}" if process.returncode < 0 else
+                         f"failed (exit status {process.returncode})")
+                print(f"{name} {ended}; see {log.name}")
                 continue
             result = next((output / f"{name}.result").glob("retrofit_study_*.json"))
             runs[name] = {**json.loads(result.read_text())["runs"][name], "gpu": gpus[slot]}
@@ -427,7 +434,7 @@ def main():
     runs = run_recipes_on_gpus(recipes, args, gpus, save) if gpus else run_recipes(recipes, args, common, save)
     print(f"\n{table(runs)}\n\nwrote {path}")
     if len(runs) < len(recipes):
-        sys.exit(f"{len(recipes) - len(runs)} of {len(recipes)} recipes failed")
+        sys.exit(f"{len(recipes) - len(runs)} of {len(recipes)} recipes did not finish")
 
 
 if __name__ == "__main__":

@@ -1110,6 +1110,9 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
         if tests:
             summary["needle"] = {domain: {label: result["accuracy_by_context"] for label, result in models.items()}
                                  for domain, models in tests.items()}
+            summary["needle_interval"] = {  # over the haystacks, from 3 of them
+                domain: {label: result.get("interval_by_context") for label, result in models.items()}
+                for domain, models in tests.items()}
             summary["needle_by_distance"] = {
                 domain: {label: {band: pooled["accuracy"] for band, pooled in result["accuracy_by_distance"].items()}
                          for label, result in models.items()} for domain, models in tests.items()}

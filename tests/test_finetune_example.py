@@ -145,13 +145,13 @@ def test_a_run_takes_the_originals_results_from_an_earlier_run_of_the_same_docum
 
     root = llama_and_corpus
     run = root / "reuse"
-    foxlm(["finetune", *finetune_args(root, "reuse", "--no-token-shift", "--needle-docs", "2")])
+    foxlm(["finetune", *finetune_args(root, "reuse", "--no-token-shift", "--needle-docs", "3")])
     first = {name: json.loads((run / name).read_text()) for name in ("evaluation.json", "needle.json")}
     sources = []
     monkeypatch.setattr(evaluation, "load_causal_lm", lambda source, *a, load=evaluation.load_causal_lm, **k: (
         sources.append(Path(source).name), load(source, *a, **k))[1])
     capsys.readouterr()
-    foxlm(["finetune", *finetune_args(root, "reuse", "--eval-only", "--needle-docs", "2", "--reuse-original-from",
+    foxlm(["finetune", *finetune_args(root, "reuse", "--eval-only", "--needle-docs", "3", "--reuse-original-from",
                                       str(run))])
     # The original (the folder "llama") is not loaded again; the report is the first one's to the last digit.
     assert "llama" not in sources and sources, sources
@@ -159,6 +159,12 @@ def test_a_run_takes_the_originals_results_from_an_earlier_run_of_the_same_docum
         again = json.loads((run / name).read_text())
         assert again.pop("written_by") == result.pop("written_by") and again == result, name
     summary = json.loads((run / "summary.json").read_text())
+    # 3 haystacks: each length's interval over them, the fine-tuned model's as needle.json has it.
+    [(haystack, by_label)] = summary["needle_interval"].items()  # the held-out text's
+    intervals = by_label["converted, fine-tuned"]
+    models = json.loads((run / "needle.json").read_text())["haystacks"][haystack]["models"]
+    fine_tuned = models["converted, fine-tuned"]
+    assert intervals == fine_tuned["interval_by_context"] and list(intervals) == list(fine_tuned["accuracy_by_context"])
     assert summary["original_reused_from"] == {"evaluation": str(run / "original_evaluation.npz"),
                                                "needle": str(run / "original_needle.json")}
     assert f"the original's results taken from {run / 'original_evaluation.npz'}" in capsys.readouterr().out

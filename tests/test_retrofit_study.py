@@ -141,6 +141,11 @@ def test_the_table_gives_prose_worst_bands_inside_and_past_the_originals_context
     assert row[8] == "-"  # no needle test
     summary["needle"] = {"prose": {"converted, fine-tuned": {"2048": 1.0, "16384": 0.25}}}
     assert retrofit_study.table({"r": {"summary": summary}}).splitlines()[-1].split(" | ")[8] == "2k 100%, 16k 25%"
+    # With 3 haystacks or more, each length's interval over them.
+    summary["needle_interval"] = {"prose": {"converted, fine-tuned": {"2048": None, "16384": [0.125, 0.4]}}}
+    row = retrofit_study.table({"r": {"summary": summary}}).splitlines()[-1].split(" | ")
+    assert row[8] == "2k 100%, 16k 25% (12-40%)"
+    del summary["needle_interval"]
     summary["needle"]["docs"] = {"converted, fine-tuned": {"2048": 0.5}}  # haystacks named when there are several
     row = retrofit_study.table({"r": {"summary": summary}}).splitlines()[-1].split(" | ")
     assert row[8] == "prose: 2k 100%, 16k 25%; docs: 2k 50%"
