@@ -24,7 +24,7 @@ from pathlib import Path
 
 from foxlm import finetune
 from foxlm.benchmarks.run_record import new_record, record_path, write_record
-from foxlm.evaluation import short_tokens
+from foxlm.evaluation import interval_text, short_tokens
 
 RECIPES = {
     "default": [],
@@ -283,8 +283,7 @@ def needle_text(needle, percent=lambda accuracy: f"{accuracy:.0%}", intervals=No
     """The fine-tuned model's needle accuracy by length, with the interval over haystacks where `intervals` (summary's
     needle_interval) has one, haystacks named when there are several; "-" without."""
     def interval(haystack, length):
-        bounds = ((intervals or {}).get(haystack, {}).get(finetune.FINE_TUNED) or {}).get(length)
-        return f" ({bounds[0] * 100:.0f}-{bounds[1]:.0%})" if bounds else ""
+        return interval_text(((intervals or {}).get(haystack, {}).get(finetune.FINE_TUNED) or {}).get(length))
 
     haystacks = {haystack: ", ".join(f"{short_tokens(int(length))} {percent(accuracy)}{interval(haystack, length)}"
                                      for length, accuracy in models.get(finetune.FINE_TUNED, {}).items())

@@ -498,9 +498,13 @@ def accuracy_by_distance(scores, context_lengths, depths):
 def accuracy_by_context_text(accuracy_by_context, separator=" ", intervals=None):
     """`needle_summary`'s accuracy_by_context in a line: "2k 100%, 4k 55%, ..." (lengths under 1k as they are), with
     its interval_by_context when given: "4k 55% (41-68%)"."""
-    def interval(c):
-        return f" ({intervals[c][0] * 100:.0f}-{intervals[c][1]:.0%})" if intervals else ""
-    return ", ".join(f"{short_tokens(int(c))}{separator}{a:.0%}{interval(c)}" for c, a in accuracy_by_context.items())
+    return ", ".join(f"{short_tokens(int(c))}{separator}{a:.0%}{interval_text((intervals or {}).get(c))}"
+                     for c, a in accuracy_by_context.items())
+
+
+def interval_text(bounds):
+    """An interval of `haystack_intervals` as the tables write it after the accuracy: " (41-68%)"; "" for None."""
+    return f" ({bounds[0] * 100:.0f}-{bounds[1]:.0%})" if bounds else ""
 
 
 def accuracy_by_distance_text(accuracy_by_distance, separator=" "):

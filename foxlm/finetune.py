@@ -976,31 +976,26 @@ def original_key(source, documents, **settings):
                       sort_keys=True)
 
 
-def reusable_original(args, name, key):
-    """The path of --reuse-original-from's saved `name` when its key is `key`, or None (the log says why)."""
-    import numpy as np
-
+def reusable_original(args, name, key, load):
+    """(path, results) of --reuse-original-from's saved `name`, read by `load` (path -> (key, results)), when it was
+    saved under `key`; (None, None) otherwise, and the log says why."""
     if not args.reuse_original_from:
-        return None
+        return None, None
     path = Path(args.reuse_original_from) / name
     if not path.is_file():
         print(f"--reuse-original-from: no {path}; the original is evaluated here")
-        return None
+        return None, None
     try:
-        if name.endswith(".npz"):
-            with np.load(path) as saved:
-                saved_key = json.loads(str(saved["meta"]))["key"]
-        else:
-            saved_key = json.loads(path.read_text())["key"]
+        saved_key, results = load(path)
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:  # not a file that a run saved
         print(f"--reuse-original-from: {path} cannot be read ({error}); the original is evaluated here")
-        return None
+        return None, None
     if saved_key != key:
         print(f"--reuse-original-from: {path} holds another source, other documents or other settings; the original "
               "is evaluated here")
-        return None
+        return None, None
     print(f"the original's results taken from {path}")
-    return path
+    return path, results
 
 
 def save_original_evaluation(path, key, results):
@@ -1026,16 +1021,24 @@ def save_original_evaluation(path, key, results):
 
 
 def load_original_evaluation(path):
-    """What `save_original_evaluation` saved, as `evaluate_models` returned it."""
+    """What `save_original_evaluation` saved: its key, and the results as `evaluate_models` returned them."""
     import numpy as np
 
     with np.load(path) as saved:
         meta = json.loads(str(saved["meta"]))
-        return {domain: {"count": saved[f"count_{i}"],
-                         "loss": {label: saved[f"loss_{i}_{j}"] for j, label in enumerate(meta["labels"])},
-                         "agreement": {label: saved[f"agreement_{i}_{j}"] for j, label in enumerate(meta["agreement"])},
-                         "predictions": np.split(saved[f"predictions_{i}"], np.cumsum(saved[f"lengths_{i}"])[:-1])}
-                for i, domain in enumerate(meta["domains"])}
+        results = {domain: {
+            "count": saved[f"count_{i}"],
+            "loss": {label: saved[f"loss_{i}_{j}"] for j, label in enumerate(meta["labels"])},
+            "agreement": {label: saved[f"agreement_{i}_{j}"] for j, label in enumerate(meta["agreement"])},
+            "predictions": np.split(saved[f"predictions_{i}"], np.cumsum(saved[f"lengths_{i}"])[:-1])}
+            for i, domain in enumerate(meta["domains"])}
+    return meta["key"], results
+
+
+def load_original_needle(path):
+    """What `needle` saved of the original: its key, and {haystack: {label: `needle_summary`}}."""
+    saved = json.loads(path.read_text())
+    return saved["key"], saved["haystacks"]
 
 
 ORIGINAL, CONVERTED, FINE_TUNED = "original (RoPE)", "converted, before fine-tuning", "converted, fine-tuned"
@@ -1062,14 +1065,15 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
     windows = {label: context for label in (ORIGINAL_WINDOWED, FINE_TUNED_WINDOWED) if windowed}
     reference = None if args.skip_original else ORIGINAL
     with timed(seconds, "evaluation"):
-        original_results, reused = {}, None
+        original_results, reused_from = {}, None
         if originals:
             key = original_key(source, held_out, eval_length=args.eval_length, window=windows.get(ORIGINAL_WINDOWED),
                                dtype=str(dtype), device=device)
-            reused = reusable_original(args, ORIGINAL_EVALUATION_FILE, key)
-            original_results = (load_original_evaluation(reused) if reused else evaluate_models(
-                originals, held_out, args.eval_length, reference=reference, dtype=dtype, device=device,
-                windows=windows))
+            reused_from, original_results = reusable_original(args, ORIGINAL_EVALUATION_FILE, key,
+                                                              load_original_evaluation)
+            if original_results is None:
+                original_results = evaluate_models(originals, held_out, args.eval_length, reference=reference,
+                                                   dtype=dtype, device=device, windows=windows)
             save_original_evaluation(run_dir / ORIGINAL_EVALUATION_FILE, key, original_results)
         predictions = {domain: result["predictions"] for domain, result in original_results.items()}
         results = evaluate_models(retrofits, held_out, args.eval_length, reference=reference, dtype=dtype,
@@ -1083,7 +1087,7 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
                                      documents={domain: len(docs) for domain, docs in held_out.items()})
     print(f"\nheld-out documents of {args.eval_length} tokens\n{format_report(report, reference)}")
     summary = {"arguments": {k: v for k, v in vars(args).items() if k != "func"}, "domains": report,
-               "original_reused_from": {"evaluation": reused and str(reused)}}
+               "original_reused_from": {"evaluation": reused_from and str(reused_from)}}
     if not args.skip_original:
         within = min(context or args.eval_length, args.eval_length)
         summary["within_original_context"] = within
@@ -1103,9 +1107,9 @@ def evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, con
                   f"{context}: loss {whole / own_window - 1:+.1%}")
     if args.needle:
         with timed(seconds, "needle"):
-            tests, reused = needle(args, {} if args.skip_original else {ORIGINAL: source}, fine_tuned_dir, held_out,
-                                   run_dir, dtype, device, context)
-        summary["original_reused_from"]["needle"] = reused and str(reused)
+            tests, reused_from = needle(args, {} if args.skip_original else {ORIGINAL: source}, fine_tuned_dir,
+                                        held_out, run_dir, dtype, device, context)
+        summary["original_reused_from"]["needle"] = reused_from and str(reused_from)
         summary["needle"] = summary["needle_by_distance"] = None  # the test was skipped: text too short
         if tests:
             summary["needle"] = {domain: {label: result["accuracy_by_context"] for label, result in models.items()}
@@ -1154,10 +1158,10 @@ def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device, or
     results = {domain: {} for domain in haystacks}
     key = original_key(next(iter(originals.values())), haystacks, lengths=lengths, depths=depths, dtype=str(dtype),
                        device=device, within=original_context) if originals else None
-    reused = reusable_original(args, ORIGINAL_NEEDLE_FILE, key) if originals else None
-    if reused:
-        for domain, summary in json.loads(reused.read_text())["haystacks"].items():
-            results[domain].update(summary)
+    reused_from, reused = (reusable_original(args, ORIGINAL_NEEDLE_FILE, key, load_original_needle) if originals
+                           else (None, None))
+    for domain, summaries in (reused or {}).items():
+        results[domain].update(summaries)
     for label, source in {**({} if reused else originals), FINE_TUNED: fine_tuned_dir}.items():
         model, tokenizer = load_causal_lm(source, dtype=dtype, device=device)
         for domain, documents in haystacks.items():
@@ -1183,7 +1187,7 @@ def needle(args, originals, fine_tuned_dir, held_out, run_dir, dtype, device, or
                   f"; by tokens between the needle "
                   f"and the question: {accuracy_by_distance_text(result['accuracy_by_distance'], ': ')}")
     print(f"needle plot: {png}")
-    return results, reused
+    return results, reused_from
 
 
 def main(argv=None, prog=None):
@@ -1245,6 +1249,7 @@ def main(argv=None, prog=None):
         print(f"time by stage: {stage_times_text(seconds)}")
     else:
         evaluate(args, source, converted_dir, fine_tuned_dir, held_out, run_dir, context, seconds)
+
 
 if __name__ == "__main__":
     main()
