@@ -45,6 +45,9 @@ from foxlm.data import COPY_SPAN_LENGTHS, EVAL_PERCENT
 
 LORA_LR, FULL_LR = 3e-3, 3e-4  # benchmarks/NOTES_finetune.md: how they were chosen
 ROPE_GATE_BIAS = 7.0  # f = 0.9991, a decay time of 1,100 tokens: docs/retrofit.md, "Partial RoPE"
+# --partial-rope when no RoPE option is given, resolved once the original's context is known (`resolve_rope`): cut at
+# half that context, the slow pairs turning as the original up to its end (docs/retrofit.md, "Partial RoPE").
+DEFAULT_PARTIAL_ROPE = "half the original's context"
 GPU_MICRO_BATCH = 4  # blocks per pass on a GPU: docs/retrofit.md#study
 TOKENS_PER_COPIED_SPAN = 512  # --copy-spans' default: one span per this many tokens of a block (docs/retrofit.md#study)
 # Defaults that depend on the machine: (on a GPU, on a CPU). The CPU ones make a run of a few minutes on two cores.
@@ -147,18 +150,19 @@ def build_parser(prog=None):
                       help=f"documents sampled at once ({machine_default('sample_batch_size')})")
     transfer = parser.add_argument_group(
         "conversion and attention transfer (stage 1; docs/retrofit.md)",
-        "RoPE: partial by default, its slower pairs turning as in the original up to its context and slower past "
-        "it (clamped there when --context does not reach past it). The transfer (by default "
-        "with --drop-rope only): each layer's forget gate, token shift, output gate and a low-rank update of "
+        "RoPE: partial by default, kept on the channel pairs faster than half the original's context; the slower "
+        "ones turn as in the original up to its context and slower past it (clamped there when --context does not "
+        "reach past it), so that within it the converted model computes what the original does. The transfer (by "
+        "default with --drop-rope only): each layer's forget gate, token shift, output gate and a low-rank update of "
         "q_proj/k_proj learn to reproduce the original attention outputs, on the original's hidden states; no "
         "backward through the model.")
     rope = transfer.add_mutually_exclusive_group()
     rope.add_argument("--partial-rope", nargs="?", type=float, const=True, default=None, metavar="TOKENS",
-                      help="the default: keep RoPE on the channel pairs whose wavelength is shorter than TOKENS "
-                           "(default: the original's context) and drop it on the slower ones, the ones that fail "
-                           "beyond that context; the converted model starts close to the original (closest over "
-                           "short distances), its gates nearly open, with no attention transfer (docs/retrofit.md, "
-                           "\"Partial RoPE\")")
+                      help="keep RoPE on the channel pairs whose wavelength is shorter than TOKENS (given alone: "
+                           "the original's context; by default half of it, with --slow-pairs-start at the "
+                           "original's context) and change the slower ones (--slow-pairs), the ones that fail beyond "
+                           "that context; the converted model starts close to the original, its gates nearly open, "
+                           "with no attention transfer (docs/retrofit.md, \"Partial RoPE\")")
     rope.add_argument("--drop-rope", action="store_true",
                       help="drop RoPE whole (a FoX model without position embedding, as `foxlm convert llama` makes "
                            "by default); the attention transfer then gives back what RoPE did")
@@ -330,7 +334,7 @@ def check_args(parser, args):
         if value is not None and not (value > 0 and math.isfinite(value)):
             parser.error(f"--{name.replace('_', '-')} must be a positive number, got {value}")
     if args.partial_rope is None:
-        args.partial_rope = not (args.drop_rope or args.keep_rope)
+        args.partial_rope = False if args.drop_rope or args.keep_rope else DEFAULT_PARTIAL_ROPE
     if args.gate_bias is not None and not math.isfinite(args.gate_bias):
         parser.error(f"--gate-bias must be a finite number, got {args.gate_bias}")
     if args.gate_bias is not None and args.drop_rope:
@@ -777,13 +781,29 @@ def transfer_options(args, documents, context):
                 transfer_qk_rank=args.transfer_qk_rank, transfer_seed=args.seed)
 
 
-def resolve_slow_pairs(args, source_config):
-    """--slow-pairs when it is not given (with --partial-rope): compressed when --context reaches past the cut (or
-    --interpolate-to is given), so that the slow pairs keep turning where the model is trained (docs/retrofit.md,
-    "Compressed slow pairs"), clamped otherwise: within the cut both rotate as the original does, and there is nothing
-    past it to compress for. Compressed or interpolated, --interpolate-to defaults to --context."""
+def resolve_rope(args, source_config):
+    """The RoPE options that depend on the original's context (its max_position_embeddings, CONTEXT).
+
+    With no RoPE option given, partial RoPE cuts at CONTEXT / 2 and the slow pairs (clamped or compressed) turn as in
+    the original up to CONTEXT (`--partial-rope CONTEXT/2 --slow-pairs-start CONTEXT`): the pairs that wrap around
+    once or twice within CONTEXT turn slower past it too, while within CONTEXT the converted model still computes
+    what the original does (docs/retrofit.md, "Partial RoPE"). With --slow-pairs drop or interpolate, which leave
+    the original's angles everywhere, the cut is CONTEXT, as `--partial-rope` alone gives.
+
+    --slow-pairs when it is not given: compressed when --context reaches past where the slow pairs leave the
+    original (or --interpolate-to is given), so that they keep turning where the model is trained (docs/retrofit.md,
+    "Compressed slow pairs"), clamped otherwise: there is nothing past it to compress for. Compressed or
+    interpolated, --interpolate-to defaults to --context."""
     from foxlm.conversion.llama import partial_rope_cut
 
+    if args.partial_rope == DEFAULT_PARTIAL_ROPE:
+        original_context = float(source_config.max_position_embeddings)
+        if args.slow_pairs in (None, *POSITION_MAPPED_SLOW_PAIRS):
+            args.partial_rope = original_context / 2
+            if args.slow_pairs_start is None:
+                args.slow_pairs_start = original_context
+        else:
+            args.partial_rope = True
     if args.partial_rope and args.slow_pairs is None:
         reaches_past = args.context > (args.slow_pairs_start or partial_rope_cut(source_config, args.partial_rope))
         args.slow_pairs = "compress" if reaches_past or args.interpolate_to is not None else "clamp"
@@ -1207,7 +1227,7 @@ def main(argv=None, prog=None):
         source_config, tokenizer = processes.first_on_rank_zero(lambda: (
             AutoConfig.from_pretrained(name_or_path, **kwargs), AutoTokenizer.from_pretrained(name_or_path, **kwargs)))
         processes.check_heads(source_config)
-        resolve_slow_pairs(args, source_config)  # before the options are recorded
+        resolve_rope(args, source_config)  # before the options are recorded
         processes.once(lambda: start_run(args, run_dir, source, processes), share=False)
         converted_dir, fine_tuned_dir = run_dir / "converted", run_dir / "fine-tuned"
         if args.eval_only:

@@ -14,7 +14,7 @@ from conftest import byte_tokenizer, finetune_args, kill_after_checkpoint, save_
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from foxlm import distillation
+from foxlm import FoxForCausalLM, distillation
 
 from foxlm.cli import main as foxlm
 from foxlm.distillation import DistillationTrainer
@@ -245,8 +245,18 @@ def test_resume_refuses_options_that_shape_training_other_than_the_runs(llama_an
     assert "--resume: continuing with the options the run was trained with" in adopted
     assert all(f"{option} {value}" in adopted for option, value in (
         ("--model", root / "llama"), ("--context", 128), ("--steps", 2), ("--lora-r", 4))), adopted
-    # A run recorded before --slow-pairs existed dropped the slow pairs, and resumes so.
+    # A run recorded before the default cut partial RoPE at half the original's context (128) cut it at that
+    # context, and resumes so.
     record = json.loads((run / "training_options.json").read_text())
+    assert (record["options"]["partial_rope"], record["options"]["slow_pairs_start"]) == (64, 128)
+    earlier = {name: value for name, value in record["options"].items() if name != "slow_pairs_start"}
+    (run / "training_options.json").write_text(json.dumps({**record, "options": {**earlier, "partial_rope": True}}))
+    with pytest.raises(FolderPrepared):
+        foxlm(["finetune", "--output-dir", str(run), "--resume", "--skip-eval"])
+    adopted = capsys.readouterr().out
+    assert "--partial-rope on" in adopted and "--slow-pairs-start" not in adopted, adopted
+    # A run recorded before --slow-pairs existed dropped the slow pairs, and resumes so.
+    del record["options"]["slow_pairs_start"]
     assert record["options"].pop("slow_pairs") == "clamp" and "interpolate_to" not in record["options"]
     (run / "training_options.json").write_text(json.dumps(record))
     with pytest.raises(FolderPrepared):
@@ -322,14 +332,27 @@ def test_partial_rope_with_slow_pairs_compressed_past_the_original_context_by_de
     root = llama_and_corpus
     foxlm(["finetune", *finetune_args(root, "partial-rope", "--steps", "1", "--skip-eval", "--teacher-samples", "0")])
     run = root / "partial-rope"
+    # Cut at half the original's context (128), the slower pairs turning as in the original up to 128.
     config = json.loads((run / "fine-tuned" / "config.json").read_text())
-    assert config["use_rope"] and config["rope_max_wavelength"] == 128 and config["fgate_bias_init"] == 7.0
+    assert config["use_rope"] and config["fgate_bias_init"] == 7.0
+    assert (config["rope_max_wavelength"], config["rope_slow_pairs_start"]) == (64, 128)
     assert "Partial RoPE" in (run / "converted" / "README.md").read_text()
     assert "Attention transfer" not in (run / "converted" / "README.md").read_text()
     options = json.loads((run / "training_options.json").read_text())["options"]
-    assert options["partial_rope"] is True and options["transfer_steps"] == 0 and options["gate_bias"] == 7.0
+    assert (options["partial_rope"], options["slow_pairs_start"]) == (64, 128)
+    assert options["transfer_steps"] == 0 and options["gate_bias"] == 7.0
     # --context 128 reaches no further than the original's context: nothing to compress for, clamped.
     assert options["slow_pairs"] == "clamp" and config["rope_slow_pairs"] == "clamp"
+    # Within the original's context the default converts to what the original computes, as a cut there does.
+    foxlm(["finetune", *finetune_args(root, "cut-at-context", "--partial-rope", "--steps", "1", "--skip-eval",
+                                      "--teacher-samples", "0")])
+    config = json.loads((root / "cut-at-context" / "converted" / "config.json").read_text())
+    assert (config["rope_max_wavelength"], config.get("rope_slow_pairs_start")) == (128, None)
+    assert json.loads((root / "cut-at-context" / "training_options.json").read_text())["options"]["partial_rope"]
+    ids = torch.randint(0, 256, (1, 128))
+    logits = [FoxForCausalLM.from_pretrained(root / name / "converted").eval()(ids).logits.detach()
+              for name in ("partial-rope", "cut-at-context")]
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
     # Past it, compressed by default: the slow pairs turn --context / 128 times slower past position 128.
     foxlm(["finetune", *finetune_args(root, "longer", "--context", "256", "--steps", "1", "--skip-eval",
                                       "--teacher-samples", "0")])
@@ -338,7 +361,8 @@ def test_partial_rope_with_slow_pairs_compressed_past_the_original_context_by_de
     assert json.loads((root / "longer" / "training_options.json").read_text())["options"]["slow_pairs"] == "compress"
     foxlm(["finetune", *finetune_args(root, "dropped", "--slow-pairs", "drop", "--steps", "1", "--skip-eval",
                                       "--teacher-samples", "0")])
-    assert json.loads((root / "dropped" / "fine-tuned" / "config.json").read_text())["rope_slow_pairs"] == "drop"
+    config = json.loads((root / "dropped" / "fine-tuned" / "config.json").read_text())
+    assert (config["rope_slow_pairs"], config["rope_max_wavelength"]) == ("drop", 128)  # the cut at the context
     assert json.loads((root / "dropped" / "training_options.json").read_text())["options"]["slow_pairs"] == "drop"
     # Interpolated, the slow pairs turn as far over --context as the original did over its context (128 here);
     # compressed, as many times slower past that context only.
