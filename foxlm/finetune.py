@@ -797,7 +797,7 @@ def resolve_rope(args, source_config):
     from foxlm.conversion.llama import partial_rope_cut
 
     if args.partial_rope == DEFAULT_PARTIAL_ROPE:
-        original_context = float(source_config.max_position_embeddings)
+        original_context = partial_rope_cut(source_config, True)
         if args.slow_pairs in (None, *POSITION_MAPPED_SLOW_PAIRS):
             args.partial_rope = original_context / 2
             if args.slow_pairs_start is None:
