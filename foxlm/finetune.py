@@ -264,7 +264,8 @@ def build_parser(prog=None):
     training.add_argument("--save-steps", type=int, default=50,
                           help="save a checkpoint (for --resume) every this many steps (default: %(default)s)")
     training.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                          help="recompute activations in the backward pass to save memory (default: on a GPU)")
+                          help="recompute activations in the backward pass to save memory; off, steps are faster "
+                               "and hold several times the memory (docs/retrofit.md, Study) (default: on a GPU)")
     training.add_argument("--context-parallel", type=int, default=None, metavar="N",
                           help="under torchrun: split every training sequence over groups of N processes (the "
                                "attention heads too: at least one per process); more processes than N train on more "
