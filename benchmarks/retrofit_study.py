@@ -5,8 +5,9 @@
 Every recipe runs the whole job (conversion with or without attention transfer, fine-tuning, evaluation on the
 held-out domains with top-1 agreement and the needle test) in DIR/<recipe>, with `--max-minutes` as its training
 budget; the documents are tokenized once for all. The summaries (each run's summary.json) go to
-benchmarks/results/retrofit_study_<device>_<date>_<recipes>.json, and a Markdown table of the headline numbers is
-printed. With `--gpus 0,1,2,3` the recipes run at the same time, one per GPU (each in its own process, its output in
+benchmarks/results/retrofit_study_<device>_<date>_<recipes>.json, each run's plots and needle results beside it
+(retrofit_study_<device>_<date>_<recipe>{.png,_needle.json,_needle.png}), and a Markdown table of the headline numbers
+is printed. With `--gpus 0,1,2,3` the recipes run at the same time, one per GPU (each in its own process, its output in
 DIR/<recipe>.log; a GPU takes the next recipe when one ends), and one JSON holds them all. A GPU named twice
 (`--gpus 0,1,0,1`) runs two recipes at once. The recipes that sample from the original alike share the first one's
 samples: they start once it has saved them; samples given with `--samples-from` (another run's teacher_samples.npz)
@@ -25,6 +26,7 @@ from pathlib import Path
 from foxlm import finetune
 from foxlm.benchmarks.run_record import new_record, record_path, write_record
 from foxlm.evaluation import interval_text, short_tokens
+from foxlm.outputs import write_file_atomic
 
 RECIPES = {
     "default": [],
@@ -339,6 +341,20 @@ def run_recipes(recipes, args, common, save):
     return runs
 
 
+# What each run writes that a reader of the results wants beside the study's JSON: the per-token loss plot, the
+# needle's results and plot (`<stem>_<recipe><suffix>`).
+RUN_FILES = {"evaluation.png": ".png", "needle.json": "_needle.json", "needle.png": "_needle.png"}
+
+
+def copy_run_files(runs, output_dir, stem):
+    """Each finished run's RUN_FILES (those it wrote) as `stem`_<recipe><suffix>, each written whole or not at all."""
+    for name in runs:
+        for file, suffix in RUN_FILES.items():
+            source = Path(output_dir) / name / file
+            if source.exists():
+                write_file_atomic(f"{stem}_{name}{suffix}", source.read_bytes())
+
+
 def run_recipes_on_gpus(recipes, args, gpus, save):
     """Each recipe in a process of its own (this script, one recipe), one per slot of `gpus` at a time. Recipes that
     sample from the original as the first one does wait for its samples and reuse them."""
@@ -428,12 +444,13 @@ def main():
     common = [*args.finetune_args, *(["--model", args.model] if args.model else [])]
     started = new_record(minutes=args.minutes, gpus=gpus)
     # The recipes in the name: studies started in the same minute keep their own files.
-    path = Path(record_path(args.results, "retrofit_study", started).removesuffix(".json")
-                + f"_{'__'.join(recipes)}.json")
+    stem = record_path(args.results, "retrofit_study", started).removesuffix(".json")
+    path = Path(f"{stem}_{'__'.join(recipes)}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def save(runs):  # after every recipe, whole or not at all (a study stopped mid-write keeps the last record)
         write_record(path, {**started, "runs": runs, "table": table(runs)})
+        copy_run_files(runs, args.output_dir, stem)
 
     runs = run_recipes_on_gpus(recipes, args, gpus, save) if gpus else run_recipes(recipes, args, common, save)
     print(f"\n{table(runs)}\n\nwrote {path}")

@@ -30,6 +30,10 @@ def test_recipes_run_at_the_same_time_share_the_samples_and_land_in_one_record(t
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [path] = (root / "results").glob("retrofit_study_*_default__no-kl.json")
     record = json.loads(path.read_text())
+    stem = str(path).removesuffix("_default__no-kl.json")
+    for name in ("default", "no-kl"):  # each run's plot beside the record, byte for byte (no needle: none of its files)
+        assert Path(f"{stem}_{name}.png").read_bytes() == (root / "study" / name / "evaluation.png").read_bytes()
+        assert not Path(f"{stem}_{name}_needle.json").exists()
     assert record["gpus"] == gpus.split(",") and set(record["runs"]) == {"default", "no-kl"}
     assert record["device"] == "cpu" and record["transformers"] and record["foxlm_source_sha256"]  # the run record
     # A recipe that waits for the samples takes whichever slot is free then: tiny runs can end first.
@@ -106,6 +110,22 @@ def test_samples_given_serve_only_the_recipes_that_sample_as_the_first_one_in_on
     run_dir = tmp_path / "no-kl"
     run_dir.mkdir()
     assert samplers["no-kl"](None, None, run_dir) == documents
+
+
+def test_each_runs_plots_and_needle_results_land_beside_the_record(tmp_path):
+    retrofit_study = load_study()
+    written = {"with-needle": {"evaluation.png": b"loss plot", "needle.json": b"{}", "needle.png": b"needle plot"},
+               "without": {"evaluation.png": b"another plot"}}
+    for name, files in written.items():
+        (tmp_path / "study" / name).mkdir(parents=True)
+        for file, data in files.items():
+            (tmp_path / "study" / name / file).write_bytes(data)
+    stem = tmp_path / "results" / "retrofit_study_cpu_20261130-2300"
+    retrofit_study.copy_run_files(list(written), tmp_path / "study", str(stem))
+    assert sorted(p.name for p in stem.parent.iterdir()) == [
+        "retrofit_study_cpu_20261130-2300_with-needle.png", "retrofit_study_cpu_20261130-2300_with-needle_needle.json",
+        "retrofit_study_cpu_20261130-2300_with-needle_needle.png", "retrofit_study_cpu_20261130-2300_without.png"]
+    assert (stem.parent / "retrofit_study_cpu_20261130-2300_with-needle_needle.png").read_bytes() == b"needle plot"
 
 
 def load_study():
