@@ -319,8 +319,8 @@ def reuse_original(name, recipes, args):
 
 
 def run_recipes(recipes, args, common, save):
-    """Each recipe in turn in this process; `save(runs)` after each. Samples given (--samples-from) stand for the
-    first recipe's: recipes that sample otherwise sample their own."""
+    """Each recipe in turn in this process; `save(runs, recipe)` after each. Samples given (--samples-from) stand for
+    the first recipe's: recipes that sample otherwise sample their own."""
     finetune.load_documents = cached_documents()
     own_samples = cached_samples()
     given = reused_samples(args.samples_from) if args.samples_from else own_samples
@@ -337,7 +337,7 @@ def run_recipes(recipes, args, common, save):
         runs[name] = {"options": options, "seconds": round(time.time() - start, 1),
                       "summary": json.loads((run_dir / "summary.json").read_text())}
         print(table(runs))
-        save(runs)
+        save(runs, name)
     return runs
 
 
@@ -346,13 +346,12 @@ def run_recipes(recipes, args, common, save):
 RUN_FILES = {"evaluation.png": ".png", "needle.json": "_needle.json", "needle.png": "_needle.png"}
 
 
-def copy_run_files(runs, output_dir, stem):
-    """Each finished run's RUN_FILES (those it wrote) as `stem`_<recipe><suffix>, each written whole or not at all."""
-    for name in runs:
-        for file, suffix in RUN_FILES.items():
-            source = Path(output_dir) / name / file
-            if source.exists():
-                write_file_atomic(f"{stem}_{name}{suffix}", source.read_bytes())
+def copy_run_files(name, output_dir, stem):
+    """The RUN_FILES that recipe `name`'s run wrote, as `stem`_<name><suffix>, each written whole or not at all."""
+    for file, suffix in RUN_FILES.items():
+        source = Path(output_dir) / name / file
+        if source.exists():
+            write_file_atomic(f"{stem}_{name}{suffix}", source.read_bytes())
 
 
 def run_recipes_on_gpus(recipes, args, gpus, save):
@@ -409,7 +408,7 @@ def run_recipes_on_gpus(recipes, args, gpus, save):
             result = next((output / f"{name}.result").glob("retrofit_study_*.json"))
             runs[name] = {**json.loads(result.read_text())["runs"][name], "gpu": gpus[slot]}
             print(table(runs))
-            save(runs)
+            save(runs, name)
     return runs
 
 
@@ -448,9 +447,10 @@ def main():
     path = Path(f"{stem}_{'__'.join(recipes)}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
 
-    def save(runs):  # after every recipe, whole or not at all (a study stopped mid-write keeps the last record)
+    # After every recipe, whole or not at all (a study stopped mid-write keeps the last record).
+    def save(runs, finished):
         write_record(path, {**started, "runs": runs, "table": table(runs)})
-        copy_run_files(runs, args.output_dir, stem)
+        copy_run_files(finished, args.output_dir, stem)
 
     runs = run_recipes_on_gpus(recipes, args, gpus, save) if gpus else run_recipes(recipes, args, common, save)
     print(f"\n{table(runs)}\n\nwrote {path}")

@@ -100,7 +100,8 @@ def test_samples_given_serve_only_the_recipes_that_sample_as_the_first_one_in_on
     monkeypatch.setattr(finetune, "main", record_sampler)
     args = argparse.Namespace(samples_from=str(given), finetune_args=["--steps", "1"], minutes=1.0,
                               output_dir=str(tmp_path / "study"))
-    retrofit_study.run_recipes(["default", "sample-length-4k", "no-kl", "seed-1"], args, [], save=lambda runs: None)
+    retrofit_study.run_recipes(["default", "sample-length-4k", "no-kl", "seed-1"], args, [],
+                               save=lambda runs, name: None)
     assert samplers["no-kl"] is samplers["default"]
     assert samplers["sample-length-4k"] is not samplers["default"] and samplers["seed-1"] is not samplers["default"]
     # Every recipe after the first takes the original's results from the first one's run.
@@ -121,7 +122,8 @@ def test_each_runs_plots_and_needle_results_land_beside_the_record(tmp_path):
         for file, data in files.items():
             (tmp_path / "study" / name / file).write_bytes(data)
     stem = tmp_path / "results" / "retrofit_study_cpu_20261130-2300"
-    retrofit_study.copy_run_files(list(written), tmp_path / "study", str(stem))
+    for name in written:
+        retrofit_study.copy_run_files(name, tmp_path / "study", str(stem))
     assert sorted(p.name for p in stem.parent.iterdir()) == [
         "retrofit_study_cpu_20261130-2300_with-needle.png", "retrofit_study_cpu_20261130-2300_with-needle_needle.json",
         "retrofit_study_cpu_20261130-2300_with-needle_needle.png", "retrofit_study_cpu_20261130-2300_without.png"]
