@@ -128,7 +128,8 @@ RECIPES = {
     # study's "compress-slow-pairs" recipe then, on the clamped default).
     "compress-slow-pairs": ["--slow-pairs", "compress"],
     # Compressed for a model meant for 64k or 128k (8 or 16 times slower past 8k), still trained on 32k blocks: the
-    # 16-32k band's slow-pair angles (10k-14k by default, which the original never saw) nearer the cut.
+    # 16-32k band's slow-pair angles (10k-14k by default, which the original never saw) nearer the cut. Measured on
+    # the cut at 8k (64k, 2026-11-30) and on slow pairs from 4k (128k, 2026-12-01, under the name compress-16x).
     "compress-to-64k": ["--interpolate-to", "65536"],
     "compress-to-128k": ["--interpolate-to", "131072"],
     # The default with twice its copied spans (128 a 32k block, the most a block holds): more training that rewards
