@@ -12,7 +12,8 @@ DIR/<recipe>.log; a GPU takes the next recipe when one ends), and one JSON holds
 (`--gpus 0,1,0,1`) runs two recipes at once. The recipes that sample from the original alike share the first one's
 samples: they start once it has saved them; samples given with `--samples-from` (another run's teacher_samples.npz)
 serve them all from the start. Every recipe after the first takes the original's results (loss, sliding window, top-1
-predictions, needle) from the first one's run where it saved them (`foxlm finetune --reuse-original-from`).
+predictions, needle) from the first one's run where it saved them (`foxlm finetune --reuse-original-from`); with
+`--original-from DIR` (an earlier run's folder) every recipe takes them from DIR.
 """
 
 import argparse
@@ -132,6 +133,7 @@ RECIPES = {
     # the cut at 8k (64k, 2026-11-30) and on slow pairs from 4k (128k, 2026-12-01, under the name compress-16x).
     "compress-to-64k": ["--interpolate-to", "65536"],
     "compress-to-128k": ["--interpolate-to", "131072"],
+    "compress-to-64k-seed-1": ["--interpolate-to", "65536", "--seed", "1"],
     # The default with twice its copied spans (128 a 32k block, the most a block holds): more training that rewards
     # retrieval from far back (measured on the clamped default, 2026-11-30).
     "copy-spans-128": ["--copy-spans", "128"],
@@ -313,9 +315,11 @@ def seed_groups(runs):
 
 
 def reuse_original(name, recipes, args):
-    """finetune's --reuse-original-from for every recipe but the first: the original's results on the same documents
-    are the first recipe's (evaluated again where its run has not saved them yet, or where a recipe's options change
-    the documents or the evaluation)."""
+    """finetune's --reuse-original-from: --original-from's folder for every recipe, else the first recipe's run for
+    every recipe but the first. The original is evaluated again where that folder does not hold its results yet, or
+    where a recipe's options change the documents or the evaluation (finetune checks)."""
+    if args.original_from:
+        return ["--reuse-original-from", args.original_from]
     return [] if name == recipes[0] else ["--reuse-original-from", str(Path(args.output_dir) / recipes[0])]
 
 
@@ -428,6 +432,10 @@ def main():
     parser.add_argument("--samples-from", default=None, metavar="FILE",
                         help="the teacher samples another run saved (its teacher_samples.npz), used instead of "
                              "sampling from the original again, by every recipe that samples as the first one does")
+    parser.add_argument("--original-from", default=None, metavar="DIR",
+                        help="a folder holding the original's results of an earlier run (its original_evaluation.npz "
+                             "and original_needle.json): every recipe takes them from there where they were computed "
+                             "on the same documents with the same settings, the first recipe too")
     parser.add_argument("finetune_args", nargs=argparse.REMAINDER,
                         help="after --: options given to every recipe (e.g. -- --eval-length 16384)")
     args = parser.parse_args()
@@ -441,6 +449,8 @@ def main():
         parser.error(f"--gpus: give CUDA device indices such as 0,1,2,3, not {args.gpus!r}")
     if args.samples_from and not Path(args.samples_from).is_file():
         parser.error(f"--samples-from: no file {args.samples_from}")
+    if args.original_from and not Path(args.original_from).is_dir():
+        parser.error(f"--original-from: no folder {args.original_from}")
     common = [*args.finetune_args, *(["--model", args.model] if args.model else [])]
     started = new_record(minutes=args.minutes, gpus=gpus)
     # The recipes in the name: studies started in the same minute keep their own files.

@@ -99,7 +99,7 @@ def test_samples_given_serve_only_the_recipes_that_sample_as_the_first_one_in_on
 
     monkeypatch.setattr(finetune, "main", record_sampler)
     args = argparse.Namespace(samples_from=str(given), finetune_args=["--steps", "1"], minutes=1.0,
-                              output_dir=str(tmp_path / "study"))
+                              output_dir=str(tmp_path / "study"), original_from=None)
     retrofit_study.run_recipes(["default", "sample-length-4k", "no-kl", "seed-1"], args, [],
                                save=lambda runs, name: None)
     assert samplers["no-kl"] is samplers["default"]
@@ -111,6 +111,11 @@ def test_samples_given_serve_only_the_recipes_that_sample_as_the_first_one_in_on
     run_dir = tmp_path / "no-kl"
     run_dir.mkdir()
     assert samplers["no-kl"](None, None, run_dir) == documents
+    # --original-from: every recipe, the first too, takes the original's results from that folder.
+    args.original_from, args.output_dir = str(tmp_path / "earlier"), str(tmp_path / "study-2")
+    retrofit_study.run_recipes(["default", "no-kl"], args, [], save=lambda runs, name: None)
+    assert all(options_of[name][-2:] == ["--reuse-original-from", str(tmp_path / "earlier")]
+               for name in ("default", "no-kl"))
 
 
 def test_each_runs_plots_and_needle_results_land_beside_the_record(tmp_path):
