@@ -1,10 +1,11 @@
 """How long sampling the original's own documents takes (`foxlm finetune --teacher-samples`), by document length cap
 and method, in one process on one GPU, bf16: `batch` is `foxlm.distillation.sample_documents` (a batch at a time
-through `model.generate`: every batch runs until its longest document ends); `refill` is a probe kept here, rows
-refilled as their documents end (`sample_with_refill`), so that long length caps need not wait for a batch's
-longest document.
+through `model.generate`: every batch runs until its longest document ends); `static` is the same with a cache of
+fixed size, whose decoding step transformers compiles (CUDA graphs; the compilation is in the run's time); `refill` is
+a probe kept here, rows refilled as their documents end (`sample_with_refill`), so that long length caps need not
+wait for a batch's longest document.
 
-    python benchmarks/teacher_sampling.py --model SmolLM2.gguf --runs refill:1024:1024,batch:1024:1024,refill:4096:512
+    python benchmarks/teacher_sampling.py --model SmolLM2.gguf --runs batch:1024:1024,static:1024:1024,static:4096:768
 
 Each run is METHOD:MAX_LENGTH:BATCH_SIZE. The record (`foxlm.benchmarks.run_record`) is rewritten after every run,
 so a run stopped by a time limit keeps the ones that finished.
@@ -15,6 +16,8 @@ import statistics
 import time
 
 from foxlm.benchmarks.run_record import RESULTS_DIR, new_record, record_path, write_record
+
+METHODS = ("batch", "static", "refill")
 
 
 def sample_with_refill(model, *, num_tokens, eos_token_id, max_length, batch_size, seed, temperature):
@@ -110,7 +113,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="the original: a folder, Hub id or .gguf file")
     parser.add_argument("--runs", default="refill:1024:1024,batch:1024:1024,refill:4096:512,refill:8192:256",
-                        help="METHOD:MAX_LENGTH:BATCH_SIZE, comma-separated; METHOD is batch (foxlm's) or refill")
+                        help="METHOD:MAX_LENGTH:BATCH_SIZE, comma-separated; METHOD is batch (foxlm's), static or "
+                             "refill")
     parser.add_argument("--tokens", type=int, default=2 * 1024 * 1024,
                         help="tokens a run samples (default: %(default)s, foxlm finetune's on a GPU)")
     parser.add_argument("--out", default=RESULTS_DIR, help="folder of the JSON record (default: %(default)s)")
@@ -118,8 +122,9 @@ def main():
     runs = []
     for run in args.runs.split(","):
         method, *sizes = run.split(":")
-        if method not in ("refill", "batch") or len(sizes) != 2 or not all(size.isdigit() for size in sizes):
-            parser.error(f"--runs: each run is METHOD:MAX_LENGTH:BATCH_SIZE with METHOD batch or refill, got {run!r}")
+        if method not in METHODS or len(sizes) != 2 or not all(size.isdigit() for size in sizes):
+            parser.error(f"--runs: each run is METHOD:MAX_LENGTH:BATCH_SIZE with METHOD one of {', '.join(METHODS)}, "
+                         f"got {run!r}")
         runs.append((method, int(sizes[0]), int(sizes[1])))
 
     import torch
@@ -134,7 +139,10 @@ def main():
     def refill(model, **kwargs):
         return [document for document, _ in sample_with_refill(model, temperature=1.0, **kwargs)]
 
-    sample = {"refill": refill, "batch": sample_documents}
+    def static(model, **kwargs):
+        return sample_documents(model, cache_implementation="static", **kwargs)
+
+    sample = {"refill": refill, "batch": sample_documents, "static": static}
     for method, max_length, batch_size in runs:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

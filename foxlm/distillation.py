@@ -372,7 +372,8 @@ class ContextParallelDistillationTrainer(ContextParallelTrainer, DistillationTra
 
 
 @torch.no_grad()
-def sample_documents(model, *, num_tokens, eos_token_id, max_length=1024, batch_size=256, seed=0, temperature=1.0):
+def sample_documents(model, *, num_tokens, eos_token_id, max_length=1024, batch_size=256, seed=0, temperature=1.0,
+                     cache_implementation=None):
     """Documents sampled from `model`, about `num_tokens` tokens in all: token id lists, each ending with EOS.
 
     Each document starts after an EOS, as a new document does in packed pretraining data, and is sampled at
@@ -380,16 +381,22 @@ def sample_documents(model, *, num_tokens, eos_token_id, max_length=1024, batch_
     more coherent and less varied. A document ends at the model's first EOS or after `max_length` tokens (EOS
     appended). Sampling uses its own random stream
     (`seed`), so the caller's is untouched and the same seed gives the same documents on the same machine.
+
+    `cache_implementation` is `generate`'s: None for its default (a cache that grows with the batch), "static" for
+    one of fixed size, whose decoding step transformers compiles on a GPU (CUDA graphs: fewer launches a step, after a
+    compilation at the first batch). Both sample from the same distribution (on a CPU, the same documents).
     """
     for name, value in (("num_tokens", num_tokens), ("max_length", max_length), ("batch_size", batch_size)):
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
     if not (isinstance(temperature, (int, float)) and 0 < temperature < float("inf")):
         raise ValueError(f"`temperature` must be a positive number, got {temperature!r}.")
+    if cache_implementation not in (None, "static"):
+        raise ValueError(f"`cache_implementation` must be None or 'static', got {cache_implementation!r}.")
     device = model.device
     config = GenerationConfig(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0,
-                              max_new_tokens=max_length,
-                              eos_token_id=eos_token_id, pad_token_id=eos_token_id)
+                              max_new_tokens=max_length, eos_token_id=eos_token_id, pad_token_id=eos_token_id,
+                              cache_implementation=cache_implementation)
     documents, total = [], 0
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
             tqdm(total=num_tokens, desc="sampling from the original", unit="tok") as progress:

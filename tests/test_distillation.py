@@ -325,6 +325,9 @@ def test_sampled_documents_follow_the_model_end_with_one_eos_and_leave_the_calle
     assert any(len(doc) < 13 for doc in documents) and any(len(doc) == 13 for doc in documents)
     assert sample_documents(model, num_tokens=100, eos_token_id=eos, max_length=12, batch_size=4, seed=7) == documents
     assert sample_documents(model, num_tokens=100, eos_token_id=eos, max_length=12, batch_size=4, seed=8) != documents
+    # A cache of fixed size (compiled on a GPU) samples the same documents.
+    assert sample_documents(model, num_tokens=100, eos_token_id=eos, max_length=12, batch_size=4, seed=7,
+                            cache_implementation="static") == documents
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.2])  # at 0.2 a token's share moves by up to 0.02
@@ -350,3 +353,5 @@ def test_sampling_refuses_bad_sizes():
         sample_documents(tiny_llama(), num_tokens=10, eos_token_id=1, batch_size=2.5)
     with pytest.raises(ValueError, match="`temperature` must be a positive number, got 0"):
         sample_documents(tiny_llama(), num_tokens=10, eos_token_id=1, temperature=0)
+    with pytest.raises(ValueError, match="`cache_implementation` must be None or 'static', got 'paged'"):
+        sample_documents(tiny_llama(), num_tokens=10, eos_token_id=1, cache_implementation="paged")
