@@ -134,6 +134,10 @@ RECIPES = {
     "compress-to-64k": ["--interpolate-to", "65536"],
     "compress-to-128k": ["--interpolate-to", "131072"],
     "compress-to-64k-seed-1": ["--interpolate-to", "65536", "--seed", "1"],
+    # Slow pairs as the original's to 6k, then 13.3 times slower (81,920 / 6,144): a key 32k back sits at most 8.1k
+    # away on them, within the distances the original trained on, as with the cut at 4k of 2026-11-30 (15:11: at most
+    # 7.5k, the needle at 32k found more often), while only the 6k-8k band leaves the original's angles within 8k.
+    "slow-pairs-within-8k": ["--slow-pairs-start", "6144", "--interpolate-to", "81920"],
     # The default with twice its copied spans (128 a 32k block, the most a block holds): more training that rewards
     # retrieval from far back (measured on the clamped default, 2026-11-30).
     "copy-spans-128": ["--copy-spans", "128"],
