@@ -134,6 +134,9 @@ RECIPES = {
     "compress-to-64k": ["--interpolate-to", "65536"],
     "compress-to-128k": ["--interpolate-to", "131072"],
     "compress-to-64k-seed-1": ["--interpolate-to", "65536", "--seed", "1"],
+    # The two that moved the needle each way, together: slow pairs from 2k (16k: 58%, 2026-11-30, 22:59) 16 times slower
+    # past 8k (32k: 45%, 2026-12-01).
+    "slow-pairs-from-2k-16x": ["--partial-rope", "2048", "--slow-pairs-start", "8192", "--interpolate-to", "131072"],
     # Slow pairs as the original's to 6k, then 13.3 times slower (81,920 / 6,144): a key 32k back sits at most 8.1k
     # away on them, within the distances the original trained on, as with the cut at 4k of 2026-11-30 (15:11: at most
     # 7.5k, the needle at 32k found more often), while only the 6k-8k band leaves the original's angles within 8k.
