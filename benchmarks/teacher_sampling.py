@@ -112,7 +112,7 @@ def drop_masked_slots(cache, starts):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="the original: a folder, Hub id or .gguf file")
-    parser.add_argument("--runs", default="refill:1024:1024,batch:1024:1024,refill:4096:512,refill:8192:256",
+    parser.add_argument("--runs", default="batch:1024:1024,static:1024:1024,static:4096:768",
                         help="METHOD:MAX_LENGTH:BATCH_SIZE, comma-separated; METHOD is batch (foxlm's), static or "
                              "refill")
     parser.add_argument("--tokens", type=int, default=2 * 1024 * 1024,
