@@ -197,3 +197,25 @@ def test_gpus_that_are_not_indices_are_refused(tmp_path, gpus):
 def test_samples_from_a_missing_file_is_refused(tmp_path):
     done = study("--recipes", "default", "--samples-from", str(tmp_path / "none.npz"), cwd=tmp_path)
     assert done.returncode == 2 and "--samples-from: no file" in done.stderr
+
+
+def test_original_from_serves_every_recipe_the_original_of_an_earlier_run(tmp_path):
+    """--original-from: a later study's recipes, the first one too, take the original's results from an earlier run's
+    folder (finetune checks they were computed on the same documents), in their own processes."""
+    root = save_llama_and_corpus(tmp_path)
+    tiny = finetune_args(root, "unused", "--steps", "1", "--teacher-samples", "0", "--no-needle", "--eval-docs", "1")
+    earlier = study("--recipes", "default", "--minutes", "5", "--output-dir", str(root / "earlier"),
+                    "--results", str(root / "results"), "--", *tiny, cwd=root)
+    assert earlier.returncode == 0, earlier.stdout[-3000:] + earlier.stderr[-3000:]
+    assert (root / "earlier" / "default" / "original_evaluation.npz").exists()
+    later = study("--recipes", "no-kl", "--gpus", "0", "--original-from", str(root / "earlier" / "default"),
+                  "--minutes", "5", "--output-dir", str(root / "later"), "--results", str(root / "results"), "--",
+                  *tiny, cwd=root)
+    assert later.returncode == 0, later.stdout[-3000:] + later.stderr[-3000:]
+    log = (root / "later" / "no-kl.log").read_text()
+    assert f"the original's results taken from {root / 'earlier' / 'default' / 'original_evaluation.npz'}" in log
+    summary = json.loads((root / "later" / "no-kl" / "summary.json").read_text())
+    assert summary["original_reused_from"]["evaluation"] == str(root / "earlier" / "default" /
+                                                                "original_evaluation.npz")
+    missing = study("--recipes", "default", "--original-from", str(root / "missing"), "--", *tiny, cwd=root)
+    assert missing.returncode == 2 and f"--original-from: no folder {root / 'missing'}" in missing.stderr
