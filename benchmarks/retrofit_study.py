@@ -217,7 +217,8 @@ def reused_samples(path):
     return sample
 
 
-SAMPLING_OPTIONS = ("--teacher-samples", "--sample-temperature", "--sample-length", "--sample-batch-size", "--seed")
+SAMPLING_OPTIONS = ("--teacher-samples", "--sample-temperature", "--sample-length", "--sample-batch-size",
+                    "--sample-cache", "--seed")
 
 
 def sampling_options(recipe, finetune_args):

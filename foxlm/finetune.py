@@ -148,6 +148,10 @@ def build_parser(prog=None):
                       help=f"longest sampled document ({machine_default('sample_length')})")
     data.add_argument("--sample-batch-size", type=int, default=None,
                       help=f"documents sampled at once ({machine_default('sample_batch_size')})")
+    data.add_argument("--sample-cache", choices=("dynamic", "static"), default="dynamic",
+                      help="the sampling's cache: dynamic (generate's default) or static, one of fixed size whose "
+                           "decoding step transformers compiles on a GPU (CUDA graphs); the same distribution either "
+                           "way (default: %(default)s)")
     transfer = parser.add_argument_group(
         "conversion and attention transfer (stage 1; docs/retrofit.md)",
         "RoPE: partial by default, kept on the channel pairs faster than half the original's context; the slower "
@@ -572,7 +576,8 @@ def teacher_samples(args, source, run_dir):
     started = time.perf_counter()
     documents = sample_documents(model, num_tokens=args.teacher_samples, eos_token_id=tokenizer.eos_token_id,
                                  max_length=args.sample_length, batch_size=args.sample_batch_size,
-                                 temperature=args.sample_temperature, seed=args.seed)
+                                 temperature=args.sample_temperature, seed=args.seed,
+                                 cache_implementation=None if args.sample_cache == "dynamic" else args.sample_cache)
     seconds = time.perf_counter() - started
     del model
     lengths = [len(document) for document in documents]
@@ -614,10 +619,10 @@ OPTIONS_FILE = "training_options.json"
 # processes (Trainer skips what it already trained on by counting passes per epoch, so a step split otherwise resumes
 # at other blocks; another LoRA rank fails deep inside the checkpoint's load). Not compared: where inputs
 # are read from (--output-dir; --corpus-dir: the same corpora, e.g. packed for another machine) or how fast and in how
-# much memory the same math runs (--compile, --gradient-checkpointing, --sample-batch-size), when to stop or save
-# (--max-minutes gives a resumed run a fresh budget by design, --save-steps), the stages run (--resume, --skip-eval,
-# --eval-only, --force) and evaluation's options. --steps may grow: training goes on to the new total, as Trainer's
-# max_steps allows (the cosine decay stretches to it); it may not shrink below what the run was started for.
+# much memory the same math runs (--compile, --gradient-checkpointing, --sample-batch-size, --sample-cache), when to
+# stop or save (--max-minutes gives a resumed run a fresh budget by design, --save-steps), the stages run (--resume,
+# --skip-eval, --eval-only, --force) and evaluation's options. --steps may grow: training goes on to the new total, as
+# Trainer's max_steps allows (the cosine decay stretches to it); it may not shrink below what the run was started for.
 TRAINING_OPTIONS = ("model", "text_files", "dataset", "text_column", "train_domains", "group_related",
                     "copy_spans", "teacher_samples", "seed",
                     "sample_temperature", "sample_length", "partial_rope", "drop_rope", "keep_rope", "slow_pairs",

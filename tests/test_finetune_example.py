@@ -112,12 +112,19 @@ def test_foxlm_finetune_converts_finetunes_with_lora_saves_and_evaluates(llama_a
                           for entry in logged), logged
 
 
-def test_full_finetuning_and_evaluation_run_as_two_invocations_within_a_time_budget(llama_and_corpus, capsys):
+def test_full_finetuning_and_evaluation_run_as_two_invocations_within_a_time_budget(llama_and_corpus, capsys,
+                                                                                     monkeypatch):
+    from foxlm import distillation
+
     root = llama_and_corpus
     run = root / "full"
+    caches, sample = [], distillation.sample_documents
+    monkeypatch.setattr(distillation, "sample_documents",
+                        lambda *args, **kw: caches.append(kw["cache_implementation"]) or sample(*args, **kw))
     foxlm(["finetune", *finetune_args(root, "full", "--full", "--steps", "50", "--max-minutes", "1e-6",
                                       "--skip-eval", "--no-token-shift", "--no-output-gate", "--distill-only",
-                                      "--sample-temperature", "0.7", "--drop-rope")])
+                                      "--sample-temperature", "0.7", "--drop-rope", "--sample-cache", "static")])
+    assert caches == ["static"]
     out = capsys.readouterr().out
     assert "budget ended training after 1 steps" in out
     assert out.strip().splitlines()[-1].startswith("time by stage: loading ")  # without evaluation, the last line
