@@ -1,7 +1,7 @@
 """Where a needle-in-a-haystack batch spends its time: --batch prompts of --length random tokens (by default the
-batch that `foxlm eval needle` and `foxlm finetune` run at 32k), timed as a forward without a cache, a forward
-filling a cache, and `generate` of 8 tokens as the needle test calls it; then torch.profiler's table of one
-`generate`.
+batch that `foxlm eval needle` and `foxlm finetune` run at that length), timed as a forward without a cache, a forward
+filling a cache, and `generate` of 8 tokens called as the needle test calls it (which decodes its answer's length
+plus 2); then torch.profiler's table of one `generate`.
 
     python benchmarks/needle_profile.py foxlm-long-context/fine-tuned --out /tmp/profile
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from foxlm.evaluation import load_causal_lm
+from foxlm.evaluation import load_causal_lm, needle_batch_size
 from foxlm.outputs import write_file_atomic
 
 NEW_TOKENS = 8
@@ -26,13 +26,15 @@ def main(argv=None):
     parser.add_argument("model", help="a causal LM's folder (a FoX model, say)")
     parser.add_argument("--out", required=True, help="folder of needle_profile.txt")
     parser.add_argument("--length", type=int, default=32768, help="tokens a prompt (default: %(default)s)")
-    parser.add_argument("--batch", type=int, default=4, help="prompts a batch (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="prompts a batch (default: the needle test's at --length, 4 at 32k)")
     args = parser.parse_args(argv)
+    batch = args.batch or needle_batch_size(args.length)
     on_gpu = torch.cuda.is_available()
     device, sync = ("cuda", torch.cuda.synchronize) if on_gpu else ("cpu", lambda: None)
     model, tokenizer = load_causal_lm(args.model, dtype=torch.bfloat16 if on_gpu else torch.float32, device=device)
     torch.manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.length), device=device)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, args.length), device=device)
     mask = torch.ones_like(prompt)
     lines = []
 

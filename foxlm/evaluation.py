@@ -364,6 +364,11 @@ NEEDLE_BATCH_TOKENS = 2**17
 NEEDLE_INTERVAL_RESAMPLES = 2000
 
 
+def needle_batch_size(length, batch_tokens=NEEDLE_BATCH_TOKENS):
+    """Needle trials a batch holds at a context `length`: up to `batch_tokens` prompt tokens, at least one prompt."""
+    return max(1, batch_tokens // length)
+
+
 def needle_in_a_haystack(model, tokenizer, haystack_ids, context_lengths, depths, device=None, with_answers=False,
                          batch_tokens=NEEDLE_BATCH_TOKENS):
     """Easy-mode needle-in-a-haystack (Qin et al., 2024; the FoX paper's setting for models without instruction
@@ -401,7 +406,7 @@ def needle_over_haystacks(model, tokenizer, haystacks, context_lengths, depths, 
             filler_length = length - len(bos) - len(needle) - len(question)
             if filler_length < 0 or filler_length > min(len(haystack) for haystack in haystacks):
                 raise ValueError(f"context length {length} does not fit the needle and the haystack")
-            per_batch = max(1, batch_tokens // length)
+            per_batch = needle_batch_size(length, batch_tokens)
             for first in range(0, len(trials), per_batch):
                 batch = trials[first : first + per_batch]
                 prompts = []
