@@ -128,12 +128,11 @@ RECIPES = {
     # The slow pairs turning 4 times slower past 8k instead of stopping there: the default since 2026-11-30 (the
     # study's "compress-slow-pairs" recipe then, on the clamped default).
     "compress-slow-pairs": ["--slow-pairs", "compress"],
-    # Compressed for a model meant for 64k or 128k (8 or 16 times slower past 8k), still trained on 32k blocks: the
-    # 16-32k band's slow-pair angles (10k-14k by default, which the original never saw) nearer the cut. Measured on
-    # the cut at 8k (64k, 2026-11-30) and on slow pairs from 4k (128k, 2026-12-01, under the name compress-16x).
-    "compress-to-64k": ["--interpolate-to", "65536"],
+    # Compressed for a model meant for 32k or 128k (4 or 16 times slower past 8k) instead of twice --context (64k, 8
+    # times slower: the default since 2026-12-01, the study's "compress-to-64k" recipe then), trained on 32k blocks.
+    # 32k was the default before (--interpolate-to defaulted to --context); 128k ran on 2026-12-01 as compress-16x.
+    "compress-to-32k": ["--interpolate-to", "32768"],
     "compress-to-128k": ["--interpolate-to", "131072"],
-    "compress-to-64k-seed-1": ["--interpolate-to", "65536", "--seed", "1"],
     # The two that moved the needle each way, together: slow pairs from 2k (16k: 58%, 2026-11-30, 22:59) 16 times slower
     # past 8k (32k: 45%, 2026-12-01).
     "slow-pairs-from-2k-16x": ["--partial-rope", "2048", "--slow-pairs-start", "8192", "--interpolate-to", "131072"],

@@ -48,6 +48,7 @@ ROPE_GATE_BIAS = 7.0  # f = 0.9991, a decay time of 1,100 tokens: docs/retrofit.
 # --partial-rope when no RoPE option is given, resolved once the original's context is known (`resolve_rope`): cut at
 # half that context, the slow pairs turning as the original up to its end (docs/retrofit.md, "Partial RoPE").
 DEFAULT_PARTIAL_ROPE = "half the original's context"
+COMPRESSED_CONTEXT_FACTOR = 2  # compressed slow pairs are meant for twice --context: docs/retrofit.md#study
 GPU_MICRO_BATCH = 4  # blocks per pass on a GPU: docs/retrofit.md#study
 TOKENS_PER_COPIED_SPAN = 512  # --copy-spans' default: one span per this many tokens of a block (docs/retrofit.md#study)
 # Defaults that depend on the machine: (on a GPU, on a CPU). The CPU ones make a run of a few minutes on two cores.
@@ -176,14 +177,15 @@ def build_parser(prog=None):
                           help="with --partial-rope, the channel pairs slower than its cut: compress their rotation "
                                "(the default when --context reaches past the cut: they rotate as in the original up "
                                "to the cut's position, so that within it the converted model computes what the "
-                               "original does, and --context / cut times slower past it), clamp it (as the original "
-                               "up to the cut's position and no further; the default when --context does not reach "
-                               "past it), drop it, or interpolate it (turn them as far over --context tokens as the "
-                               "original did over the cut: YaRN's interpolation of the slow pairs, without its "
-                               "temperature)")
+                               "original does, and --interpolate-to / cut times slower past it), clamp it (as the "
+                               "original up to the cut's position and no further; the default when --context does not "
+                               "reach past it), drop it, or interpolate it (turn them as far over --interpolate-to "
+                               "tokens as the original did over the cut: YaRN's interpolation of the slow pairs, "
+                               "without its temperature)")
     transfer.add_argument("--interpolate-to", type=float, default=None, metavar="CONTEXT",
                           help="with the slow pairs compressed or interpolated, the context the model is meant for, in "
-                               "tokens (default: --context): they turn CONTEXT / cut times slower (past the cut when "
+                               "tokens (default: twice --context when compressed, which finds far needles more often, "
+                               "--context when interpolated): they turn CONTEXT / cut times slower (past the cut when "
                                "compressed); given alone, it compresses them")
     transfer.add_argument("--slow-pairs-start", type=float, default=None, metavar="POSITION",
                           help=SLOW_PAIRS_START_HELP)
@@ -798,8 +800,9 @@ def resolve_rope(args, source_config):
 
     --slow-pairs when it is not given: compressed when --context reaches past where the slow pairs leave the
     original (or --interpolate-to is given), so that they keep turning where the model is trained (docs/retrofit.md,
-    "Compressed slow pairs"), clamped otherwise: there is nothing past it to compress for. Compressed or
-    interpolated, --interpolate-to defaults to --context."""
+    "Compressed slow pairs"), clamped otherwise: there is nothing past it to compress for. Compressed, they are
+    meant for COMPRESSED_CONTEXT_FACTOR times --context (--interpolate-to's default), which puts far keys nearer the
+    distances the original saw; interpolated, for --context."""
     from foxlm.conversion.llama import partial_rope_cut
 
     if args.partial_rope == DEFAULT_PARTIAL_ROPE:
@@ -814,7 +817,7 @@ def resolve_rope(args, source_config):
         reaches_past = args.context > (args.slow_pairs_start or partial_rope_cut(source_config, args.partial_rope))
         args.slow_pairs = "compress" if reaches_past or args.interpolate_to is not None else "clamp"
     if args.slow_pairs in SLOWER_SLOW_PAIRS and args.interpolate_to is None:
-        args.interpolate_to = args.context
+        args.interpolate_to = args.context * (COMPRESSED_CONTEXT_FACTOR if args.slow_pairs == "compress" else 1)
 
 
 def rope_options(args):

@@ -360,24 +360,25 @@ def test_partial_rope_with_slow_pairs_compressed_past_the_original_context_by_de
     logits = [FoxForCausalLM.from_pretrained(root / name / "converted").eval()(ids).logits.detach()
               for name in ("partial-rope", "cut-at-context")]
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
-    # Past it, compressed by default: the slow pairs turn --context / 128 times slower past position 128.
+    # Past it, compressed by default, for twice --context: the slow pairs turn 2 × 256 / 128 times slower past 128.
     foxlm(["finetune", *finetune_args(root, "longer", "--context", "256", "--steps", "1", "--skip-eval",
                                       "--teacher-samples", "0")])
     config = json.loads((root / "longer" / "fine-tuned" / "config.json").read_text())
-    assert (config["rope_slow_pairs"], config["rope_slow_pairs_factor"]) == ("compress", 2)
-    assert json.loads((root / "longer" / "training_options.json").read_text())["options"]["slow_pairs"] == "compress"
+    assert (config["rope_slow_pairs"], config["rope_slow_pairs_factor"]) == ("compress", 4)
+    options = json.loads((root / "longer" / "training_options.json").read_text())["options"]
+    assert (options["slow_pairs"], options["interpolate_to"]) == ("compress", 512)
     foxlm(["finetune", *finetune_args(root, "dropped", "--slow-pairs", "drop", "--steps", "1", "--skip-eval",
                                       "--teacher-samples", "0")])
     config = json.loads((root / "dropped" / "fine-tuned" / "config.json").read_text())
     assert (config["rope_slow_pairs"], config["rope_max_wavelength"]) == ("drop", 128)  # the cut at the context
     assert json.loads((root / "dropped" / "training_options.json").read_text())["options"]["slow_pairs"] == "drop"
     # Interpolated, the slow pairs turn as far over --context as the original did over its context (128 here);
-    # compressed, as many times slower past that context only.
-    for slow_pairs in ("interpolate", "compress"):
+    # compressed, as many times slower past that context only, for twice --context.
+    for slow_pairs, factor in (("interpolate", 2), ("compress", 4)):
         foxlm(["finetune", *finetune_args(root, slow_pairs, "--slow-pairs", slow_pairs, "--context", "256",
                                           "--steps", "1", "--skip-eval", "--teacher-samples", "0")])
         config = json.loads((root / slow_pairs / "fine-tuned" / "config.json").read_text())
-        assert config["rope_slow_pairs"] == slow_pairs and config["rope_slow_pairs_factor"] == 2
+        assert config["rope_slow_pairs"] == slow_pairs and config["rope_slow_pairs_factor"] == factor
     # --interpolate-to: a model meant for a longer context than it is trained on (compressed, given alone).
     foxlm(["finetune", *finetune_args(root, "meant-for-512", "--interpolate-to", "512", "--context", "256",
                                       "--steps", "1", "--skip-eval", "--teacher-samples", "0")])
@@ -385,12 +386,13 @@ def test_partial_rope_with_slow_pairs_compressed_past_the_original_context_by_de
     assert (config["rope_slow_pairs"], config["rope_slow_pairs_factor"]) == ("compress", 4)
     options = json.loads((root / "meant-for-512" / "training_options.json").read_text())["options"]
     assert (options["slow_pairs"], options["interpolate_to"]) == ("compress", 512)
-    # --slow-pairs-start: the cut at 64 makes more pairs slow; they turn as in the original up to 128 all the same.
+    # --slow-pairs-start: the cut at 64 makes more pairs slow; they turn as in the original up to 128 all the same,
+    # then 2 × 256 / 128 times slower.
     foxlm(["finetune", *finetune_args(root, "start-128", "--partial-rope", "64", "--slow-pairs-start", "128",
                                       "--context", "256", "--steps", "1", "--skip-eval", "--teacher-samples", "0")])
     config = json.loads((root / "start-128" / "fine-tuned" / "config.json").read_text())
     assert (config["rope_max_wavelength"], config["rope_slow_pairs_start"], config["rope_slow_pairs_factor"]) == (
-        64, 128, 2)
+        64, 128, 4)
     assert json.loads((root / "start-128" / "training_options.json").read_text())["options"]["slow_pairs_start"] == 128
     # --gate-bias sets the gates' start with RoPE kept, and is recorded.
     foxlm(["finetune", *finetune_args(root, "gate-bias", "--keep-rope", "--gate-bias", "10", "--steps", "1",
@@ -411,9 +413,8 @@ def test_bad_arguments_are_named_before_any_training(llama_and_corpus, capsys):
         foxlm(["finetune", *finetune_args(root, "empty", "--eval-only")])
     with pytest.raises(SystemExit, match="--resume"):
         foxlm(["finetune", *finetune_args(root, "no-checkpoint", "--resume")])
-    for slow_pairs in ("interpolate", "compress"):  # slower over the original's own context
-        with pytest.raises(SystemExit, match="--context"):
-            foxlm(["finetune", *finetune_args(root, f"{slow_pairs}-128", "--slow-pairs", slow_pairs)])
+    with pytest.raises(SystemExit, match="--context"):  # slower over the original's own context
+        foxlm(["finetune", *finetune_args(root, "interpolate-128", "--slow-pairs", "interpolate")])
     with pytest.raises(SystemExit, match="--interpolate-to, by default --context.* got 100"):
         foxlm(["finetune", *finetune_args(root, "meant-for-100", "--interpolate-to", "100")])
     for options, named in ((["--slow-pairs", "clamp"], "--slow-pairs clamp"), (["--drop-rope"], "--drop-rope"),

@@ -165,7 +165,7 @@ def fox_config_from_llama(config, *, keep_rope=False, partial_rope=False, slow_p
             isinstance(interpolate_to, (int, float)) and start < interpolate_to < math.inf)):
         where = "partial RoPE's cut" if start == cut else "slow_pairs_start"
         raise ConversionError(f"interpolate_to, the context the model is meant for (`foxlm finetune`: "
-                              f"--interpolate-to, by default --context), "
+                              f"--interpolate-to, by default --context, twice it when compressed), "
                               f"must be a number of tokens above {where} ({start:g}), got {interpolate_to!r}.")
     fields = {name: getattr(config, name) for name in COPIED_FIELDS if getattr(config, name, None) is not None}
     fields["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
