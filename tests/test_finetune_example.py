@@ -407,6 +407,27 @@ def test_partial_rope_with_slow_pairs_compressed_past_the_original_context_by_de
     assert json.loads((root / "logn" / "training_options.json").read_text())["options"]["logn_scaling"] is True
 
 
+def test_compressed_slow_pairs_are_meant_for_twice_the_context_by_default():
+    from types import SimpleNamespace
+
+    from foxlm import finetune
+
+    smollm2 = SimpleNamespace(max_position_embeddings=8192)
+
+    def resolved(*options):
+        args = finetune.parse_args(["--model", "m.gguf", "--output-dir", "run", "--context", "32768",
+                                    "--tokens-per-step", "65536", *options])
+        finetune.resolve_rope(args, smollm2)
+        return args.partial_rope, args.slow_pairs, args.slow_pairs_start, args.interpolate_to
+
+    assert resolved() == (4096, "compress", 8192, 65536)
+    assert resolved("--interpolate-to", "131072") == (4096, "compress", 8192, 131072)
+    assert resolved("--slow-pairs", "interpolate") == (True, "interpolate", None, 32768)
+    # Compressed on the original's own context: meant for twice it, so there is something past it to compress for.
+    assert resolved("--slow-pairs", "compress", "--context", "8192") == (4096, "compress", 8192, 16384)
+    assert resolved("--context", "8192")[1:] == ("clamp", 8192, None)
+
+
 def test_bad_arguments_are_named_before_any_training(llama_and_corpus, capsys):
     root = llama_and_corpus
     with pytest.raises(SystemExit, match="--eval-only"):
